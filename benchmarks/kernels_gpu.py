@@ -1,0 +1,170 @@
+"""Time each Triton kernel against its torch reference on one CUDA GPU; print JSON.
+
+    python benchmarks/kernels_gpu.py [--quick] > kernels_gpu.json
+
+Grid: V in {49152, 262144} x B in {1, 8, 64} x k in {4, 8}; each kernel and its reference
+run on the same inputs, are checked to agree (tokens exactly, probabilities within 1e-5), and
+are timed with CUDA events (median of REPEATS after WARMUP calls). Bandwidth is a model of
+the bytes a kernel must read, divided by its time:
+
+* greedy_verify:    the logits of every scored position, B * (k + 1) * V * itemsize;
+* rejection_sample: p and q of the one position each row emits from, B * V * 4 * 2
+                    (the kernel reads them twice; acceptance gathers are negligible);
+* warp_probs:       the logits once plus the probabilities written, N * V * (itemsize + 4)
+                    (the bisection passes re-read rows, mostly from L2).
+
+Runs in well under 5 minutes on one H100/H200-class GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+VOCAB_SIZES = (49152, 262144)
+BATCH_SIZES = (1, 8, 64)
+DRAFT_LENGTHS = (4, 8)
+WARMUP = 3
+REPEATS = 20
+LOGITS_DTYPE = torch.bfloat16
+
+
+def time_ms(fn: Callable[[], object]) -> float:
+    """Median wall time of one call on the GPU, in milliseconds."""
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def entry(kernel: str, batch: int, k: int, vocab: int, bytes_read: int, triton_ms: float,
+          torch_ms: float, match: bool) -> dict:
+    return {
+        "kernel": kernel, "B": batch, "k": k, "V": vocab, "match": match,
+        "triton_ms": round(triton_ms, 4), "torch_ms": round(torch_ms, 4),
+        "speedup": round(torch_ms / triton_ms, 2),
+        "bytes_read": bytes_read,
+        "triton_GBps": round(bytes_read / triton_ms / 1e6, 1),
+        "torch_GBps": round(bytes_read / torch_ms / 1e6, 1),
+    }
+
+
+def bench_greedy(batch: int, k: int, vocab: int) -> dict:
+    from target_worker.kernels.greedy_verify import greedy_verify_triton
+    from target_worker.kernels.greedy_verify_ref import greedy_verify_ref
+
+    logits = torch.randn(batch, k + 1, vocab, device="cuda").to(LOGITS_DTYPE)  # [B, k + 1, V]
+    draft_tokens = logits.argmax(dim=-1)[:, :k].contiguous()  # all accepted: every position read
+    num_draft = torch.full((batch,), k, device="cuda")
+    got = greedy_verify_triton(logits, draft_tokens, num_draft)
+    expected = greedy_verify_ref(logits, draft_tokens, num_draft)
+    match = all(torch.equal(a, b) for a, b in zip(got, expected))
+    return entry(
+        "greedy_verify", batch, k, vocab, logits.numel() * logits.element_size(),
+        time_ms(lambda: greedy_verify_triton(logits, draft_tokens, num_draft)),
+        time_ms(lambda: greedy_verify_ref(logits, draft_tokens, num_draft)), match,
+    )
+
+
+def bench_rejection(batch: int, k: int, vocab: int) -> dict:
+    from specdec.philox import STREAM_ACCEPT, STREAM_SAMPLE, philox_uniforms
+    from target_worker.kernels.rejection_sample import rejection_sample_triton
+    from target_worker.kernels.rejection_sample_ref import rejection_sample_ref
+
+    logits = torch.randn(batch, k + 1, vocab, device="cuda") * 3
+    p = torch.softmax(logits, dim=-1)  # [B, k + 1, V]
+    noise = torch.randn(batch, k, vocab, device="cuda")
+    q = torch.softmax(logits[:, :k] + noise, dim=-1)  # [B, k, V]
+    draft_tokens = torch.multinomial(q.view(-1, vocab), 1).view(batch, k)
+    num_draft = torch.full((batch,), k, device="cuda")
+    seeds = torch.arange(batch, device="cuda")
+    positions = torch.arange(k + 1, device="cuda")[None, :].expand(batch, -1).contiguous()
+    u_accept = philox_uniforms(seeds, positions[:, :k].contiguous(), STREAM_ACCEPT)
+    u_sample = philox_uniforms(seeds, positions, STREAM_SAMPLE)
+    args = (p, q, draft_tokens, num_draft, u_accept, u_sample)
+    got = rejection_sample_triton(*args)
+    expected = rejection_sample_ref(*args)
+    match = all(torch.equal(a, b) for a, b in zip(got, expected))
+    return entry(
+        "rejection_sample", batch, k, vocab, batch * vocab * 4 * 2,
+        time_ms(lambda: rejection_sample_triton(*args)),
+        time_ms(lambda: rejection_sample_ref(*args)), match,
+    )
+
+
+def bench_warp(batch: int, k: int, vocab: int) -> dict:
+    from target_worker.kernels.warp import warp_probs_triton
+    from target_worker.kernels.warp_ref import warp_probs_ref
+
+    rows = batch * (k + 1)
+    logits = (torch.randn(rows, vocab, device="cuda") * 3).to(LOGITS_DTYPE)  # [N, V]
+    temperature = torch.full((rows,), 0.8, device="cuda")
+    top_k = torch.full((rows,), 50, device="cuda", dtype=torch.int64)
+    top_p = torch.full((rows,), 0.9, device="cuda")
+    args = (logits, temperature, top_k, top_p)
+    got = warp_probs_triton(*args)
+    expected = warp_probs_ref(*args)
+    same_kept = torch.equal(got > 0, expected > 0)
+    match = same_kept and torch.allclose(got, expected, rtol=1e-5, atol=1e-6)
+    return entry(
+        "warp_probs", batch, k, vocab, rows * vocab * (logits.element_size() + 4),
+        time_ms(lambda: warp_probs_triton(*args)),
+        time_ms(lambda: warp_probs_ref(*args)), match,
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="V = 49152, B = 8, k = 4 only")
+    options = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("kernels_gpu.py: unset TRITON_INTERPRET; this benchmark times compiled kernels")
+    if not torch.cuda.is_available():
+        sys.exit(
+            "kernels_gpu.py needs a CUDA GPU (torch.cuda.is_available() is False); on CPU the "
+            "kernels are checked by tests/test_kernels_*.py under TRITON_INTERPRET=1"
+        )
+    try:
+        import triton
+    except ImportError:
+        sys.exit("kernels_gpu.py needs triton (pip install 'specdec[triton]')")
+
+    grid = [(v, b, k) for v in VOCAB_SIZES for b in BATCH_SIZES for k in DRAFT_LENGTHS]
+    if options.quick:
+        grid = [(49152, 8, 4)]
+    results = []
+    for vocab, batch, k in grid:
+        for bench in (bench_greedy, bench_rejection, bench_warp):
+            results.append(bench(batch, k, vocab))
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "logits_dtype": str(LOGITS_DTYPE),
+        "results": results,
+        "all_match": all(r["match"] for r in results),
+    }
+    print(json.dumps(report, indent=1))
+    return 0 if report["all_match"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""One request's speculative decoding loop (plain Python over the worker clients).
+
+Per round: the draft worker proposes up to k tokens, the target worker verifies them in one
+forward pass and returns how many it accepts plus its own next token, and the coordinator
+commits draft[:accepted] + [next] — the committed sequence lives here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from coordinator.detokenizer import IncrementalDetokenizer, StopMatcher
+from coordinator.workers import DraftClient, TargetClient, WorkerSession
+from specdec import metrics
+from specdec.errors import Unavailable
+from specdec.v1 import coordinator_pb2
+
+log = logging.getLogger(__name__)
+
+FinishReason = coordinator_pb2.FinishReason
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """A validated request, ready to run."""
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    k: int
+    speculate: bool
+    stop: list[str]
+    eos_ids: frozenset[int]
+    max_context: int
+
+
+@dataclass
+class Stats:
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    generated: int = 0
+    draft_failures: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+
+    def to_proto(self, prompt_tokens: int, sessions: list[WorkerSession]) -> coordinator_pb2.GenerationStats:
+        elapsed = time.perf_counter() - self.started
+        draft = [s for s in sessions if s.session_id.endswith("/draft")]
+        target = [s for s in sessions if s.session_id.endswith("/target")]
+        return coordinator_pb2.GenerationStats(
+            rounds=self.rounds,
+            proposed=self.proposed,
+            accepted=self.accepted,
+            acceptance_rate=self.accepted / self.proposed if self.proposed else 0.0,
+            tokens_per_round=self.generated / self.rounds if self.rounds else 0.0,
+            ttft_s=(self.first_token_at - self.started) if self.first_token_at else 0.0,
+            tokens_per_s=self.generated / elapsed if elapsed > 0 else 0.0,
+            prompt_tokens=prompt_tokens,
+            generated_tokens=self.generated,
+            draft_s=sum(s.seconds for s in draft),
+            verify_s=sum(s.seconds for s in target),
+            wire_bytes=sum(s.wire_bytes for s in sessions),
+            resyncs=sum(s.resyncs for s in sessions),
+        )
+
+
+class RoundRunner:
+    def __init__(self, target: TargetClient, draft: DraftClient | None, tokenizer, target_vocab_size: int):
+        self.target = target
+        self.target_vocab_size = target_vocab_size
+        self.draft = draft
+        self.tokenizer = tokenizer
+        self._background: set[asyncio.Task] = set()
+
+    async def run(self, plan: GenerationPlan) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        """Yields one response per round with new tokens; the last carries finish and stats."""
+        base = f"{plan.request_id}-{uuid.uuid4().hex[:8]}"
+        target_session = WorkerSession(f"{base}/target")
+        draft_session = WorkerSession(f"{base}/draft")
+        sessions = [target_session, draft_session]
+        stats = Stats()
+        committed = list(plan.prompt_ids)
+        detok = IncrementalDetokenizer(self.tokenizer, plan.prompt_ids)
+        stopper = StopMatcher(plan.stop)
+        finish = FinishReason.FINISH_REASON_UNSPECIFIED
+        use_draft = plan.speculate and self.draft is not None
+        try:
+            while finish == FinishReason.FINISH_REASON_UNSPECIFIED:
+                remaining = plan.max_new_tokens - stats.generated
+                room = plan.max_context - len(committed)
+                # Never draft past what may be generated or what fits the context: the
+                # target adds one token of its own per round.
+                k = min(plan.k, remaining - 1, room - 1) if use_draft else 0
+                drafts = await self._propose(draft_session, committed, k, stats) if k > 0 else []
+                verdict = await self.target.verify(target_session, committed, drafts)
+                stats.rounds += 1
+                stats.proposed += len(drafts)
+                stats.accepted += verdict.accepted
+                new, finish = self._commit(drafts[:verdict.accepted] + [verdict.next_token], plan, stats, room)
+                metrics.ROUNDS.inc()
+                metrics.PROPOSED.inc(len(drafts))
+                metrics.ACCEPTED.inc(verdict.accepted)
+                metrics.ACCEPTED_LENGTH.observe(verdict.accepted + 1)
+                metrics.GENERATED_TOKENS.inc(len(new))
+                if stats.rounds == 1:
+                    metrics.TTFT.observe(stats.first_token_at - stats.started)
+                committed.extend(new)
+                text = ""
+                for token in new:
+                    text += stopper.feed(detok.push(token))
+                    if stopper.stopped:
+                        finish = FinishReason.FINISH_REASON_STOP
+                        break
+                if finish != FinishReason.FINISH_REASON_UNSPECIFIED and not stopper.stopped:
+                    text += stopper.feed(detok.flush()) + stopper.finish()
+                    if stopper.stopped:
+                        finish = FinishReason.FINISH_REASON_STOP
+                response = coordinator_pb2.GenerateResponse(text=text, token_ids=new)
+                if finish != FinishReason.FINISH_REASON_UNSPECIFIED:
+                    response.finish_reason = finish
+                    response.stats.CopyFrom(stats.to_proto(len(plan.prompt_ids), sessions))
+                yield response
+        finally:
+            self._release_later(target_session, draft_session if use_draft else None)
+
+    @staticmethod
+    def _commit(tokens: list[int], plan: GenerationPlan, stats: Stats, room: int):
+        """Tokens of this round that are actually generated: cut after EOS, at
+        max_new_tokens and at the end of the context."""
+        if stats.first_token_at is None:
+            stats.first_token_at = time.perf_counter()
+        out: list[int] = []
+        finish = FinishReason.FINISH_REASON_UNSPECIFIED
+        for token in tokens:
+            out.append(token)
+            if token in plan.eos_ids:
+                finish = FinishReason.FINISH_REASON_EOS
+                break
+            if stats.generated + len(out) >= plan.max_new_tokens or len(out) >= room:
+                finish = FinishReason.FINISH_REASON_LENGTH
+                break
+        stats.generated += len(out)
+        return out, finish
+
+    async def _propose(self, session: WorkerSession, committed: list[int], k: int, stats: Stats) -> list[int]:
+        """Draft tokens, or none when the draft worker is down: the target alone still
+        gives the exact output, only slower (DESIGN.md principle 4)."""
+        try:
+            block = await self.draft.propose(session, committed, k)
+        except (Unavailable, grpc.aio.AioRpcError) as exc:
+            stats.draft_failures += 1
+            log.warning("draft worker failed (%s); this round decodes with the target alone", exc)
+            return []
+        drafts = list(block.tokens[:k])
+        # A draft worker's ids are suggestions; one the target cannot score ends the block.
+        for i, token in enumerate(drafts):
+            if not 0 <= token < self.target_vocab_size:
+                return drafts[:i]
+        return drafts
+
+    def _release_later(self, target_session: WorkerSession, draft_session: WorkerSession | None) -> None:
+        """Frees worker sessions without blocking (or being cancelled with) the request."""
+        async def release() -> None:
+            await self.target.release(target_session)
+            if draft_session is not None and self.draft is not None:
+                await self.draft.release(draft_session)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        """Waits for pending releases (used at shutdown and by tests)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)

@@ -1,0 +1,80 @@
+"""Turns a GenerateRequest into a GenerationPlan, or an InvalidArgument naming the field."""
+
+from __future__ import annotations
+
+import uuid
+
+from coordinator.rounds import GenerationPlan
+from specdec.config import CoordinatorConfig
+from specdec.errors import InvalidArgument
+from specdec.v1 import coordinator_pb2
+
+CHAT_ROLES = {"system", "user", "assistant"}
+MAX_REQUEST_ID_CHARS = 64
+
+
+def render_prompt(request: coordinator_pb2.GenerateRequest, tokenizer, vocab_size: int) -> list[int]:
+    kind = request.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidArgument("prompt: set one of text, chat or token_ids")
+    if kind == "text":
+        if not request.text:
+            raise InvalidArgument("prompt.text must not be empty")
+        return list(tokenizer(request.text, add_special_tokens=False)["input_ids"])
+    if kind == "chat":
+        messages = request.chat.messages
+        if not messages:
+            raise InvalidArgument("prompt.chat.messages must not be empty")
+        for i, message in enumerate(messages):
+            if message.role not in CHAT_ROLES:
+                raise InvalidArgument(
+                    f"prompt.chat.messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {message.role!r}"
+                )
+        if not any(m.content for m in messages):
+            raise InvalidArgument("prompt.chat.messages: every message is empty")
+        rendered = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True
+        )
+        ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+        return [int(t) for t in ids]
+    ids = list(request.token_ids.ids)
+    if not ids:
+        raise InvalidArgument("prompt.token_ids must not be empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"prompt.token_ids: id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
+    return ids
+
+
+def plan_request(request: coordinator_pb2.GenerateRequest, prompt_ids: list[int], config: CoordinatorConfig,
+                 eos_ids: frozenset[int], max_context: int) -> GenerationPlan:
+    if not 1 <= request.max_new_tokens <= config.max_new_tokens_limit:
+        raise InvalidArgument(
+            f"max_new_tokens must be in 1..{config.max_new_tokens_limit}, got {request.max_new_tokens}"
+        )
+    k = config.default_k
+    if request.HasField("num_speculative_tokens"):
+        k = request.num_speculative_tokens
+        if not 1 <= k <= config.max_k:
+            raise InvalidArgument(f"num_speculative_tokens (k) must be in 1..{config.max_k}, got {k}")
+    if len(request.stop) > config.max_stop_strings:
+        raise InvalidArgument(f"stop: at most {config.max_stop_strings} strings, got {len(request.stop)}")
+    for i, stop in enumerate(request.stop):
+        if not stop or len(stop) > config.max_stop_string_chars:
+            raise InvalidArgument(f"stop[{i}] must be 1..{config.max_stop_string_chars} characters")
+    if len(prompt_ids) >= max_context:
+        raise InvalidArgument(
+            f"prompt: {len(prompt_ids)} tokens do not fit the model's context of {max_context} tokens"
+        )
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters")
+    return GenerationPlan(
+        request_id=request.request_id or uuid.uuid4().hex[:16],
+        prompt_ids=prompt_ids,
+        max_new_tokens=request.max_new_tokens,
+        k=k,
+        speculate=not request.disable_speculation,
+        stop=list(request.stop),
+        eos_ids=eos_ids,
+        max_context=max_context,
+    )

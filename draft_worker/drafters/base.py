@@ -1,0 +1,18 @@
+"""What every drafter offers the draft worker."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from specdec.sessions import SyncedContext
+
+
+class Drafter(Protocol):
+    #: Model spec for WorkerInfo ("ngram" for the n-gram drafter).
+    name: str
+    #: KV-cache bytes per token of context (0 when the drafter keeps no tensors).
+    bytes_per_token: int
+
+    def propose(self, synced: SyncedContext, k: int) -> list[int]:
+        """Up to k token ids that continue synced.context. May return fewer, even none."""
+        ...

@@ -1,0 +1,67 @@
+"""The draft worker's gRPC servicer: parse, hand to the Proposer, map the result."""
+
+from __future__ import annotations
+
+import grpc
+
+from draft_worker.drafters.model import ModelDrafter
+from draft_worker.drafters.ngram import NgramDrafter
+from draft_worker.propose import Proposer
+from specdec import metrics
+from specdec.config import WorkerConfig
+from specdec.lm import CausalLM
+from specdec.models import NGRAM, load_model
+from specdec.serving import ModelThread, RunningServer, start_server
+from specdec.sessions import Resync, SessionStore
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specdec.worker_info import SessionWorkerRpcs, model_info
+
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
+NGRAM_TOKEN_BYTES = 8  # one Python int per context token, roughly
+
+
+class DraftWorkerServicer(SessionWorkerRpcs, draft_pb2_grpc.DraftWorkerServicer):
+    def __init__(self, proposer: Proposer, info: common_pb2.WorkerInfo):
+        self.proposer = proposer
+        self.store = proposer.store
+        self._info = info
+        self.thread = ModelThread("draft")
+
+    async def Propose(self, request: draft_pb2.ProposeRequest,
+                      context: grpc.aio.ServicerContext) -> draft_pb2.ProposeResponse:
+        delta = request.delta
+        with metrics.worker_call("draft", "Propose"):
+            result = await self.thread.run(
+                self.proposer.propose, delta.session_id, delta.start, list(delta.tokens), request.k
+            )
+        if isinstance(result, Resync):
+            metrics.WORKER_RESYNCS.labels("draft").inc()
+            return draft_pb2.ProposeResponse(resync=common_pb2.ResyncRequired(cached_len=result.cached_len))
+        return draft_pb2.ProposeResponse(block=draft_pb2.DraftBlock(tokens=result.tokens, compute_s=result.compute_s))
+
+
+def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> DraftWorkerServicer:
+    """Builds the drafter named by config.model (loading a model unless given one)."""
+    if config.model == NGRAM and model is None:
+        drafter = NgramDrafter()
+        info = common_pb2.WorkerInfo(model=NGRAM)
+        bytes_per_token = NGRAM_TOKEN_BYTES
+    else:
+        if model is None:
+            model, tokenizer = load_model(config.model, device=config.device)
+        lm = CausalLM(model)
+        drafter = ModelDrafter(config.model, lm)
+        info = model_info(config.model, model, tokenizer)
+        bytes_per_token = lm.bytes_per_token
+    store = SessionStore(config.max_sessions, config.max_cache_bytes, bytes_per_token)
+    return DraftWorkerServicer(Proposer(drafter, store, config.max_k), info)
+
+
+async def serve(config: WorkerConfig, servicer: DraftWorkerServicer | None = None) -> RunningServer:
+    servicer = servicer or build_servicer(config)
+    return await start_server(
+        config.server,
+        lambda server: draft_pb2_grpc.add_DraftWorkerServicer_to_server(servicer, server),
+        [SERVICE_NAME],
+        on_stop=servicer.thread.shutdown,
+    )

@@ -1,0 +1,75 @@
+"""Typed configuration of the three services, built from CLI flags (and the environment
+variables named on each flag) in specdec.cli — the one place that reads them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_COORDINATOR_PORT = 50051
+DEFAULT_TARGET_PORT = 50052
+DEFAULT_DRAFT_PORT = 50053
+DEFAULT_K = 4
+MAX_K = 16
+
+
+@dataclass
+class ServerConfig:
+    """Where and how a gRPC server listens."""
+
+    host: str = "127.0.0.1"
+    """Interface to bind; 0.0.0.0 in a pod."""
+    port: int = 0
+    """TCP port; 0 picks a free one."""
+    grace_period_s: float = 20.0
+    """On SIGTERM: seconds in-flight calls get to finish after health goes NOT_SERVING."""
+    max_message_bytes: int = 16 * 1024 * 1024
+    """Largest gRPC message accepted or sent."""
+    metrics_port: int | None = None
+    """Port of the Prometheus /metrics endpoint; None: no endpoint."""
+
+
+@dataclass
+class WorkerConfig:
+    """A draft or target worker."""
+
+    model: str
+    """Model spec: HF directory, .gguf file, built-in name, or 'ngram' (draft only)."""
+    server: ServerConfig = field(default_factory=ServerConfig)
+    max_sessions: int = 256
+    """Sessions whose cache is held at once; the least recently used is evicted beyond."""
+    max_cache_bytes: int = 2 << 30
+    """KV-cache bytes held over all sessions; least recently used sessions are evicted
+    beyond it (an evicted session is rebuilt from the coordinator's tokens, not lost)."""
+    max_k: int = MAX_K
+    """Most draft tokens per round."""
+    device: str = "cpu"
+    """Torch device for the model."""
+
+
+@dataclass
+class CoordinatorConfig:
+    """The client-facing coordinator."""
+
+    target_addr: str
+    """host:port of the target worker."""
+    draft_addr: str | None
+    """host:port of the draft worker; None: target-only decoding."""
+    tokenizer: str
+    """Model spec whose tokenizer renders prompts and detokenizes (the target's)."""
+    server: ServerConfig = field(default_factory=ServerConfig)
+    default_k: int = DEFAULT_K
+    """Speculative tokens per round when a request does not say."""
+    max_k: int = MAX_K
+    """Largest k a request may ask for."""
+    max_new_tokens_limit: int = 4096
+    """Largest max_new_tokens a request may ask for."""
+    max_stop_strings: int = 16
+    """Most stop strings per request."""
+    max_stop_string_chars: int = 256
+    """Longest stop string, in characters."""
+    worker_timeout_s: float = 60.0
+    """Deadline of one Propose or Verify call."""
+    worker_retries: int = 5
+    """Attempts at a round's worker call before the request fails UNAVAILABLE."""
+    retry_backoff_s: float = 0.2
+    """First back-off between attempts; doubles each time."""

@@ -1,0 +1,101 @@
+"""Typed errors raised by plain Python code, and the one interceptor per server that maps
+them to gRPC status codes. Handlers never pick status codes for these themselves, so a
+`ValueError` from deep inside can never surface as INTERNAL with a stack trace."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+
+class SpecdecError(Exception):
+    """Base of the errors that carry their own gRPC status."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidArgument(SpecdecError, ValueError):
+    """The request is malformed; the message names the field."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ResourceExhausted(SpecdecError):
+    """A limit was hit (sessions, memory, queue); retrying later may work."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class FailedPrecondition(SpecdecError):
+    """The service is not in a state to serve this (e.g. mismatched workers)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Unavailable(SpecdecError):
+    """A worker the request needs cannot be reached."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, SpecdecError):
+        return exc.code, str(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        # A worker's own status, passed through with the worker named by the caller.
+        return exc.code(), exc.details() or exc.code().name
+    log.exception("unexpected error", exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every unary and server-streaming handler so that typed errors become statuses."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+def _wrap_unary(behavior: Callable[..., Awaitable]):
+    async def wrapped(request, context: grpc.aio.ServicerContext):
+        try:
+            return await behavior(request, context)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - this is the one place that maps them
+            code, message = _status_for(exc)
+            await context.abort(code, message)
+
+    return wrapped
+
+
+def _wrap_stream(behavior: Callable[..., AsyncIterator]):
+    async def wrapped(request, context: grpc.aio.ServicerContext):
+        try:
+            async for response in behavior(request, context):
+                yield response
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            code, message = _status_for(exc)
+            await context.abort(code, message)
+
+    return wrapped

@@ -1,0 +1,65 @@
+"""A causal LM with per-session KV caches: feed new tokens, get logits, roll back.
+
+Both workers run their model through this: the target to score a block, a model drafter
+to propose one. It knows nothing of gRPC.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.sessions import Session, SyncedContext
+
+
+class CausalLM:
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.config = model.config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV-cache bytes per token of context (keys and values, every layer)."""
+        cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        element = torch.finfo(self.dtype).bits // 8
+        return 2 * cfg.num_hidden_layers * heads * head_dim * element
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.config)
+
+    def prepare(self, synced: SyncedContext) -> list[int]:
+        """Rolls the session's cache back to the reusable prefix of the committed context and
+        returns the committed tokens still to be fed (never empty: the last committed token
+        is always fed, because its logits are the ones that predict what comes next)."""
+        session = synced.session
+        keep = min(synced.reusable, len(synced.context) - 1)
+        if session.cache is None:
+            session.cache = self._new_cache()
+            session.ids = []
+            keep = 0
+        self.crop(session, keep)
+        return synced.context[keep:]
+
+    def crop(self, session: Session, length: int) -> None:
+        """Drops cache entries beyond `length` tokens."""
+        if len(session.ids) > length:
+            # transformers 5 takes the number of tokens to drop as a negative count.
+            session.cache.crop(length - len(session.ids))
+            del session.ids[length:]
+
+    @torch.inference_mode()
+    def feed(self, session: Session, tokens: list[int], logits_to_keep: int) -> torch.Tensor:
+        """Runs `tokens` through the model on top of the session's cache in ONE forward pass
+        and returns the logits of the last `logits_to_keep` positions: [logits_to_keep, V]."""
+        assert tokens, "feed needs at least one token"
+        assert session.cache.get_seq_length() == len(session.ids), "cache and ids out of step"
+        input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
+        out = self.model(input_ids=input_ids, cache=session.cache, use_cache=True,
+                         logits_to_keep=logits_to_keep)
+        session.ids.extend(tokens)
+        return out.logits[0].float()  # [logits_to_keep, V]

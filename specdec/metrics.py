@@ -1,0 +1,51 @@
+"""Prometheus metrics of the three services (DESIGN.md principle 5: measure, don't assume).
+
+The names below are relied on by the Kubernetes autoscalers in k8s/ (worker in-flight
+requests) and by dashboards; rename none of them without changing those."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+WORKER_INFLIGHT = Gauge(
+    "specdec_worker_inflight_requests", "Propose/Verify calls being served now (queued included)", ["kind"]
+)
+WORKER_SECONDS = Histogram(
+    "specdec_worker_request_seconds", "Propose/Verify latency on the worker, queueing included",
+    ["kind", "method"], buckets=LATENCY_BUCKETS,
+)
+WORKER_RESYNCS = Counter("specdec_worker_resyncs_total", "Rounds answered with a resync request", ["kind"])
+COORDINATOR_ACTIVE = Gauge("specdec_coordinator_active_requests", "Generate streams being served now")
+REQUESTS = Counter("specdec_coordinator_requests_total", "Generate requests by final status", ["status"])
+GENERATED_TOKENS = Counter("specdec_generated_tokens_total", "Tokens streamed to clients")
+ROUNDS = Counter("specdec_rounds_total", "Speculative rounds (one Verify each)")
+PROPOSED = Counter("specdec_proposed_tokens_total", "Draft tokens proposed")
+ACCEPTED = Counter("specdec_accepted_tokens_total", "Draft tokens accepted by the target")
+ACCEPTED_LENGTH = Histogram(
+    "specdec_accepted_length", "Tokens committed per round (accepted drafts + the target's own)",
+    buckets=tuple(range(1, 18)),
+)
+TTFT = Histogram("specdec_ttft_seconds", "Time from request to first token", buckets=LATENCY_BUCKETS)
+
+
+@contextlib.contextmanager
+def worker_call(kind: str, method: str):
+    """Counts a worker call as in flight and times it."""
+    WORKER_INFLIGHT.labels(kind).inc()
+    began = time.perf_counter()
+    try:
+        yield
+    finally:
+        WORKER_INFLIGHT.labels(kind).dec()
+        WORKER_SECONDS.labels(kind, method).observe(time.perf_counter() - began)
+
+
+def serve_metrics(port: int | None, host: str = "0.0.0.0") -> None:
+    """Starts the /metrics HTTP endpoint (once per process) when a port is given."""
+    if port is not None:
+        start_http_server(port, addr=host)

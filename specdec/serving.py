@@ -1,0 +1,113 @@
+"""What every specdec gRPC server has: the error-mapping interceptor, the standard health
+service, reflection, message-size limits, and a clean stop (health NOT_SERVING first, then
+in-flight calls get a grace period, then the server stops)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specdec.config import ServerConfig
+from specdec.errors import ErrorMappingInterceptor
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ModelThread:
+    """One thread that runs all model work of a worker, in arrival order. The event loop
+    stays free for health checks and new calls while a forward pass runs, and session
+    state is only ever touched from this thread, so it needs no locks."""
+
+    def __init__(self, name: str):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    health: health.HealthServicer
+    port: int
+    service_names: list[str]
+    config: ServerConfig
+    on_stop: Callable[[], None] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Health goes NOT_SERVING, in-flight calls finish (up to `grace` s), then stop."""
+        self.health.enter_graceful_shutdown()
+        await self.server.stop(self.config.grace_period_s if grace is None else grace)
+        if self.on_stop is not None:
+            self.on_stop()
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def start_server(
+    config: ServerConfig,
+    register: Callable[[grpc.aio.Server], None],
+    service_names: list[str],
+    on_stop: Callable[[], None] | None = None,
+) -> RunningServer:
+    """Builds, binds and starts a server; `register` adds the service's servicers."""
+    options = [
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=options)
+    register(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"cannot listen on {config.host}:{config.port}")
+    await server.start()
+    for name in ["", *service_names]:
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return RunningServer(server, health_servicer, port, service_names, config, on_stop)
+
+
+def stop_on_signals() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT. Install it first thing, so a signal that arrives
+    while models load still ends the process cleanly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def serve_until(stop: asyncio.Event, servers: list[RunningServer]) -> None:
+    """Serves until `stop` is set, then stops every server cleanly: all go NOT_SERVING at
+    once, then each drains in order (coordinator first, so its in-flight rounds can still
+    reach the workers while they drain)."""
+    await stop.wait()
+    log.info("signal received: draining")
+    for running in servers:
+        running.health.enter_graceful_shutdown()
+    for running in servers:
+        await running.stop()

@@ -1,0 +1,131 @@
+"""Per-session KV caches on a worker, and the delta protocol that keeps them in step with
+the coordinator (DESIGN.md principle 1: the coordinator owns the truth; workers hold caches).
+
+A session's cache covers `ids`: the committed tokens the worker has seen plus, on a draft
+worker, the speculative tokens it fed itself. A round brings a delta (start, tokens): the
+committed sequence is ids[:start] + tokens. The worker keeps the longest prefix of its cache
+that agrees with that sequence (accepted draft tokens are reused, rejected ones dropped) and
+asks for a resync when it holds fewer than `start` tokens (restart, eviction, new replica).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdec.errors import InvalidArgument, ResourceExhausted
+
+MAX_SESSION_ID_BYTES = 128
+
+
+@dataclass
+class Session:
+    session_id: str
+    # Token ids whose keys/values are in `cache`, in order.
+    ids: list[int] = field(default_factory=list)
+    # Length of the committed sequence as last sent by the coordinator; ids beyond it are
+    # speculative and never reported as held.
+    committed_len: int = 0
+    # The model's cache object (e.g. a transformers DynamicCache); None for drafters that
+    # keep no tensors (n-gram).
+    cache: Any = None
+
+
+@dataclass(frozen=True)
+class Resync:
+    """The worker does not hold the session's first `start` tokens."""
+
+    cached_len: int
+
+
+@dataclass(frozen=True)
+class SyncedContext:
+    """The committed sequence after applying a delta, and how much of the cache is reusable."""
+
+    session: Session
+    # The full committed sequence.
+    context: list[int]
+    # Leading tokens of ids (== context[:reusable] when reusable <= len(context)) whose cache
+    # entries are still valid; the caller crops the cache to this length.
+    reusable: int
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class SessionStore:
+    """Sessions by id, least recently used first, bounded by count and by cache bytes.
+
+    Not thread-safe: a worker touches it from its single model thread only.
+    """
+
+    def __init__(self, max_sessions: int, max_cache_bytes: int, bytes_per_token: int):
+        self.max_sessions = max_sessions
+        self.max_cache_bytes = max_cache_bytes
+        self.bytes_per_token = bytes_per_token
+        self._sessions: OrderedDict[str, Session] = OrderedDict()
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def cache_bytes(self) -> int:
+        return sum(len(s.ids) for s in self._sessions.values()) * self.bytes_per_token
+
+    def sync(self, session_id: str, start: int, tokens: list[int]) -> Resync | SyncedContext:
+        """Applies a delta. Unknown session + start 0 creates it; start beyond what is held
+        asks for a resync; otherwise returns the committed context and the reusable prefix."""
+        if not session_id or len(session_id.encode()) > MAX_SESSION_ID_BYTES:
+            raise InvalidArgument(f"delta.session_id must be 1..{MAX_SESSION_ID_BYTES} bytes")
+        if not tokens:
+            raise InvalidArgument("delta.tokens must not be empty")
+        session = self._sessions.get(session_id)
+        if session is None:
+            if start != 0:
+                return Resync(cached_len=0)
+            session = self._admit(session_id)
+        held = min(len(session.ids), session.committed_len)
+        if start > held:
+            return Resync(cached_len=held)
+        self._sessions.move_to_end(session_id)
+        context = session.ids[:start] + list(tokens)
+        reusable = start + common_prefix_len(session.ids[start:], tokens)
+        session.committed_len = len(context)
+        return SyncedContext(session=session, context=context, reusable=reusable)
+
+    def _admit(self, session_id: str) -> Session:
+        while len(self._sessions) >= self.max_sessions:
+            self._evict_oldest()
+        session = Session(session_id)
+        self._sessions[session_id] = session
+        return session
+
+    def _evict_oldest(self) -> None:
+        if not self._sessions:
+            raise ResourceExhausted("no session slot free on this worker")
+        self._sessions.popitem(last=False)
+        self.evictions += 1
+
+    def enforce_budget(self, keep: str | None = None) -> None:
+        """Evicts least recently used sessions (never `keep`) until under the byte budget."""
+        while self.cache_bytes() > self.max_cache_bytes and len(self._sessions) > 1:
+            oldest = next(iter(self._sessions))
+            if oldest == keep:
+                self._sessions.move_to_end(oldest)
+                oldest = next(iter(self._sessions))
+                if oldest == keep:
+                    break
+            del self._sessions[oldest]
+            self.evictions += 1
+
+    def release(self, session_id: str) -> bool:
+        return self._sessions.pop(session_id, None) is not None

@@ -1,0 +1,59 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SessionDelta(_message.Message):
+    __slots__ = ("session_id", "start", "tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    start: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ResyncRequired(_message.Message):
+    __slots__ = ("cached_len",)
+    CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    cached_len: int
+    def __init__(self, cached_len: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class WorkerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("model", "tokenizer_vocab_size", "vocab_hash", "model_vocab_size", "max_context", "eos_token_ids", "active_sessions", "cache_bytes")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tokenizer_vocab_size: int
+    vocab_hash: str
+    model_vocab_size: int
+    max_context: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    active_sessions: int
+    cache_bytes: int
+    def __init__(self, model: _Optional[str] = ..., tokenizer_vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., model_vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,32 @@
+from specdec.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("delta", "k")
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    delta: _common_pb2.SessionDelta
+    k: int
+    def __init__(self, delta: _Optional[_Union[_common_pb2.SessionDelta, _Mapping]] = ..., k: _Optional[int] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("block", "resync")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    block: DraftBlock
+    resync: _common_pb2.ResyncRequired
+    def __init__(self, block: _Optional[_Union[DraftBlock, _Mapping]] = ..., resync: _Optional[_Union[_common_pb2.ResyncRequired, _Mapping]] = ...) -> None: ...
+
+class DraftBlock(_message.Message):
+    __slots__ = ("tokens", "compute_s")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    compute_s: float
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., compute_s: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,36 @@
+from specdec.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("delta", "draft_tokens")
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    delta: _common_pb2.SessionDelta
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, delta: _Optional[_Union[_common_pb2.SessionDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("verdict", "resync")
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    RESYNC_FIELD_NUMBER: _ClassVar[int]
+    verdict: Verdict
+    resync: _common_pb2.ResyncRequired
+    def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ..., resync: _Optional[_Union[_common_pb2.ResyncRequired, _Mapping]] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("accepted", "next_token", "cached_len", "compute_s")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    next_token: int
+    cached_len: int
+    compute_s: float
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cached_len: _Optional[int] = ..., compute_s: _Optional[float] = ...) -> None: ...

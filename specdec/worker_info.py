@@ -1,0 +1,55 @@
+"""The WorkerInfo both workers report, and the tokenizer-compatibility check the
+coordinator runs on them at start."""
+
+from __future__ import annotations
+
+import grpc
+
+from specdec.errors import FailedPrecondition
+from specdec.models import eos_token_ids, max_context, vocab_hash
+from specdec.v1 import common_pb2
+
+
+def model_info(spec: str, model, tokenizer) -> common_pb2.WorkerInfo:
+    return common_pb2.WorkerInfo(
+        model=spec,
+        tokenizer_vocab_size=len(tokenizer),
+        vocab_hash=vocab_hash(tokenizer),
+        model_vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        max_context=max_context(model),
+        eos_token_ids=eos_token_ids(model, tokenizer),
+    )
+
+
+def check_compatible(target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo | None,
+                     tokenizer_size: int, tokenizer_hash: str) -> None:
+    """Raises FailedPrecondition, naming both sides, when the draft's or the coordinator's
+    tokenizer differs from the target's: drafts would be ids of other strings."""
+    sides = [("coordinator tokenizer", tokenizer_size, tokenizer_hash)]
+    if draft is not None and draft.vocab_hash:  # the n-gram drafter has no tokenizer
+        sides.append((f"draft model {draft.model!r}", draft.tokenizer_vocab_size, draft.vocab_hash))
+    for name, size, digest in sides:
+        if size != target.tokenizer_vocab_size or digest != target.vocab_hash:
+            raise FailedPrecondition(
+                f"tokenizer mismatch: {name} has {size} tokens (vocab hash {digest[:12]}) but "
+                f"target model {target.model!r} has {target.tokenizer_vocab_size} tokens "
+                f"(vocab hash {target.vocab_hash[:12]}); draft and target must share a tokenizer"
+            )
+
+
+class SessionWorkerRpcs:
+    """Release and GetInfo, the same on both workers. Mixed into each worker's servicer,
+    which provides `store` (SessionStore), `thread` (ModelThread) and `_info`."""
+
+    async def Release(self, request: common_pb2.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> common_pb2.ReleaseResponse:
+        released = await self.thread.run(self.store.release, request.session_id)
+        return common_pb2.ReleaseResponse(released=released)
+
+    async def GetInfo(self, request: common_pb2.WorkerInfoRequest,
+                      context: grpc.aio.ServicerContext) -> common_pb2.WorkerInfo:
+        info = common_pb2.WorkerInfo()
+        info.CopyFrom(self._info)
+        info.active_sessions = len(self.store)
+        info.cache_bytes = self.store.cache_bytes()
+        return info

@@ -1,0 +1,32 @@
+"""Greedy verification in plain torch: the specification the Triton kernel is tested against,
+and the path the target worker takes on CPU.
+
+A row's drafts are accepted up to the first one that differs from the target's argmax at the
+same position; the target then emits its own argmax at the first unaccepted position (the
+correction), or after the last draft (the bonus token) when every draft was accepted.
+Argmax ties break to the lowest token id and a NaN logit wins (both as ``torch.argmax``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def greedy_verify_ref(
+    logits: torch.Tensor,  # [B, k + 1, V] fp32 / bf16 / fp16
+    draft_tokens: torch.Tensor,  # [B, k] int64, entries past num_draft are padding
+    num_draft: torch.Tensor,  # [B] int64, clamped to [0, k]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (accepted [B] int64, next_token [B] int64)."""
+    batch, positions, _ = logits.shape
+    k = positions - 1
+    assert draft_tokens.shape == (batch, k) and num_draft.shape == (batch,)
+    target_tokens = logits.argmax(dim=-1)  # [B, k + 1]
+    num_draft = num_draft.clamp(0, k)
+    draft_index = torch.arange(k, device=logits.device)  # [k]
+    stop = (draft_tokens != target_tokens[:, :k]) | (draft_index >= num_draft[:, None])  # [B, k]
+    # A sentinel stop after the last draft makes "index of the first stop" the accepted length.
+    stop = torch.cat((stop, stop.new_ones(batch, 1)), dim=1)  # [B, k + 1]
+    accepted = stop.to(torch.int8).argmax(dim=1)  # [B], argmax returns the first maximum
+    next_token = target_tokens.gather(1, accepted[:, None]).squeeze(1)  # [B]
+    return accepted, next_token

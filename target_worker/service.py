@@ -1,0 +1,59 @@
+"""The target worker's gRPC servicer: parse, hand to the Verifier, map the result."""
+
+from __future__ import annotations
+
+import grpc
+
+from specdec import metrics
+from specdec.config import WorkerConfig
+from specdec.lm import CausalLM
+from specdec.models import load_model
+from specdec.serving import ModelThread, RunningServer, start_server
+from specdec.sessions import Resync, SessionStore
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specdec.worker_info import SessionWorkerRpcs, model_info
+from target_worker.verify import Verifier
+
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
+
+
+class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServicer):
+    def __init__(self, verifier: Verifier, info: common_pb2.WorkerInfo):
+        self.verifier = verifier
+        self.store = verifier.store
+        self._info = info
+        self.thread = ModelThread("target")
+
+    async def Verify(self, request: target_pb2.VerifyRequest,
+                     context: grpc.aio.ServicerContext) -> target_pb2.VerifyResponse:
+        delta = request.delta
+        with metrics.worker_call("target", "Verify"):
+            result = await self.thread.run(
+                self.verifier.verify, delta.session_id, delta.start, list(delta.tokens), list(request.draft_tokens)
+            )
+        if isinstance(result, Resync):
+            metrics.WORKER_RESYNCS.labels("target").inc()
+            return target_pb2.VerifyResponse(resync=common_pb2.ResyncRequired(cached_len=result.cached_len))
+        return target_pb2.VerifyResponse(verdict=target_pb2.Verdict(
+            accepted=result.accepted, next_token=result.next_token,
+            cached_len=result.cached_len, compute_s=result.compute_s,
+        ))
+
+
+def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> TargetWorkerServicer:
+    """Loads the model (unless given one) and wires the verifier."""
+    if model is None:
+        model, tokenizer = load_model(config.model, device=config.device)
+    lm = CausalLM(model)
+    store = SessionStore(config.max_sessions, config.max_cache_bytes, lm.bytes_per_token)
+    return TargetWorkerServicer(Verifier(lm, store, config.max_k), model_info(config.model, model, tokenizer))
+
+
+async def serve(config: WorkerConfig, servicer: TargetWorkerServicer | None = None) -> RunningServer:
+    servicer = servicer or build_servicer(config)
+    return await start_server(
+        config.server,
+        lambda server: target_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, server),
+        [SERVICE_NAME],
+        on_stop=servicer.thread.shutdown,
+    )

@@ -1,0 +1,118 @@
+"""Real services on loopback for tests: the three grpc.aio servers on ephemeral ports, in
+this process, driven by the real client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from coordinator import service as coordinator_service
+from draft_worker import service as draft_service
+from specdec.config import CoordinatorConfig, ServerConfig, WorkerConfig
+from specdec.models import NGRAM
+from target_worker import service as target_service
+
+LOOPBACK = "127.0.0.1"
+
+
+def worker_config(name: str, port: int = 0) -> WorkerConfig:
+    return WorkerConfig(model=name, server=ServerConfig(host=LOOPBACK, port=port, grace_period_s=1.0))
+
+
+async def start_target(model, tokenizer, port: int = 0):
+    config = worker_config("tiny-target", port)
+    servicer = target_service.build_servicer(config, model, tokenizer)
+    return await target_service.serve(config, servicer), servicer
+
+
+async def start_draft(draft, tokenizer=None, port: int = 0):
+    """draft: a model, or "ngram"."""
+    if draft == NGRAM:
+        config = worker_config(NGRAM, port)
+        servicer = draft_service.build_servicer(config)
+    else:
+        config = worker_config("tiny-draft", port)
+        servicer = draft_service.build_servicer(config, draft, tokenizer)
+    return await draft_service.serve(config, servicer), servicer
+
+
+@dataclass
+class Stack:
+    coordinator: object
+    target: object
+    draft: object | None
+    target_servicer: object
+    draft_servicer: object | None
+    coordinator_servicer: object
+
+    @property
+    def address(self) -> str:
+        return self.coordinator.address
+
+    async def restart_target(self, model, tokenizer):
+        """Kills the target worker (its caches die with it) and starts a fresh one on the
+        same port, as a pod restart would."""
+        port = self.target.port
+        await self.target.stop(grace=0)
+        self.target, self.target_servicer = await start_target(model, tokenizer, port)
+
+    async def restart_draft(self, draft, tokenizer=None):
+        port = self.draft.port
+        await self.draft.stop(grace=0)
+        self.draft, self.draft_servicer = await start_draft(draft, tokenizer, port)
+
+
+@contextlib.asynccontextmanager
+async def running_stack(target_model, tokenizer, draft=None, draft_tokenizer=None, **coordinator_options):
+    """Target (+ draft: a model or "ngram") + coordinator, torn down at exit."""
+    target, target_servicer = await start_target(target_model, tokenizer)
+    draft_server = draft_servicer = None
+    try:
+        if draft is not None:
+            draft_server, draft_servicer = await start_draft(draft, draft_tokenizer or tokenizer)
+        config = CoordinatorConfig(
+            target_addr=target.address, draft_addr=draft_server.address if draft_server else None,
+            tokenizer="unused: given in memory", server=ServerConfig(host=LOOPBACK, port=0, grace_period_s=1.0),
+            worker_timeout_s=30.0, retry_backoff_s=0.05, **coordinator_options,
+        )
+        servicer = await coordinator_service.connect(config, tokenizer=tokenizer, startup_timeout_s=10.0)
+        coordinator = await coordinator_service.serve(config, servicer)
+    except BaseException:
+        for server in (draft_server, target):
+            if server is not None:
+                await server.stop(grace=0)
+        raise
+    stack = Stack(coordinator, target, draft_server, target_servicer, draft_servicer, servicer)
+    try:
+        yield stack
+    finally:
+        await stack.coordinator.stop(grace=0)
+        await servicer.runner.drain()
+        await servicer.runner.target.close()
+        if servicer.runner.draft is not None:
+            await servicer.runner.draft.close()
+        for server in (stack.draft, stack.target):
+            if server is not None:
+                await server.stop(grace=0)
+
+
+def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids=None) -> list[int]:
+    """The target alone: HF generate, greedy; generated ids only, EOS included when hit."""
+    # Passing eos_token_id=None would switch EOS off; leave it to the generation config.
+    extra = {} if eos_ids is None else {"eos_token_id": eos_ids}
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=max_new_tokens, **extra)
+    return out[0, len(prompt_ids):].tolist()
+
+
+# One event loop for the whole test session: grpc.aio binds its poller to the loop it first
+# runs on, and tearing loops down between tests leaves its servers to die in the GC.
+_LOOP = asyncio.new_event_loop()
+
+
+def run(coro):
+    return _LOOP.run_until_complete(coro)

@@ -1,0 +1,128 @@
+"""The `specdec` command line as users script it: `up`, `generate --json`, exit statuses,
+SIGTERM, and the tokenizer-mismatch refusal — real processes, tiny models on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.factories import make_tiny_model, make_tiny_tokenizer, save_model_dir
+from tests.harness import reference_greedy
+
+STATS_KEYS = {"rounds", "proposed", "accepted", "acceptance_rate", "tokens_per_round", "ttft_s", "tokens_per_s"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def specdec(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specdec", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    tokenizer = make_tiny_tokenizer()
+    target = make_tiny_model(tokenizer, seed=0)
+    other_tokenizer = make_tiny_tokenizer(vocab_size=300)
+    return {
+        "target": save_model_dir(root / "target", target, tokenizer),
+        "draft": save_model_dir(root / "draft", make_tiny_model(tokenizer, seed=3, layers=1), tokenizer),
+        "mismatched": save_model_dir(root / "mismatched", make_tiny_model(other_tokenizer, seed=4), other_tokenizer),
+    }
+
+
+def start_up(*args: str) -> tuple[subprocess.Popen, list[str]]:
+    proc = subprocess.Popen([sys.executable, "-m", "specdec", "up", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("coordinator"):
+            return proc, lines
+    proc.kill()
+    raise AssertionError(f"specdec up did not start: {lines} {proc.stderr.read()}")
+
+
+@pytest.fixture(scope="module")
+def up(model_dirs):
+    port = free_port()
+    proc, lines = start_up("--port", str(port), "--target", str(model_dirs["target"]),
+                           "--draft", str(model_dirs["draft"]), "--k", "3")
+    yield port, proc, lines
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_up_prints_where_each_service_listens(up):
+    port, _, lines = up
+    text = "".join(lines)
+    assert "target worker" in text and "draft worker" in text
+    assert f"coordinator    listening on 127.0.0.1:{port}" in text
+
+
+def test_generate_json_output_equals_target_alone(up, model_dirs):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    port, _, _ = up
+    result = specdec("generate", "--addr", f"127.0.0.1:{port}", "--max-new-tokens", "20", "--json",
+                     "The quick brown fox")
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert set(out) >= {"text", "token_ids", "stats"} and set(out["stats"]) >= STATS_KEYS
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs["target"])
+    model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "The quick brown fox"}],
+                                           add_generation_prompt=True)["input_ids"]
+    assert out["token_ids"] == reference_greedy(model, list(prompt), 20)
+    assert out["text"] == tokenizer.decode(out["token_ids"], skip_special_tokens=True)
+
+
+def test_generate_streams_text_to_stdout(up):
+    port, _, _ = up
+    result = specdec("generate", "--addr", f"127.0.0.1:{port}", "--max-new-tokens", "8", "--raw", "--no-speculation",
+                     "hello")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.endswith("\n")
+
+
+def test_failed_generate_exits_nonzero_with_status_on_stderr(up):
+    port, _, _ = up
+    result = specdec("generate", "--addr", f"127.0.0.1:{port}", "--max-new-tokens", "0", "hi")
+    assert result.returncode != 0
+    assert result.stderr.startswith("INVALID_ARGUMENT: max_new_tokens")
+
+
+def test_generate_without_a_server_says_unavailable():
+    result = specdec("generate", "--addr", f"127.0.0.1:{free_port()}", "hi")
+    assert result.returncode != 0 and result.stderr.startswith("UNAVAILABLE")
+
+
+def test_up_refuses_a_draft_with_another_tokenizer(model_dirs):
+    result = specdec("up", "--port", str(free_port()), "--target", str(model_dirs["target"]),
+                     "--draft", str(model_dirs["mismatched"]))
+    assert result.returncode != 0
+    assert "FAILED_PRECONDITION: tokenizer mismatch" in result.stderr
+
+
+def test_sigterm_stops_up_cleanly(model_dirs):
+    proc, _ = start_up("--port", str(free_port()), "--target", str(model_dirs["target"]), "--draft", "ngram",
+                       "--grace-period", "2")
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0

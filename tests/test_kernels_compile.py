@@ -1,0 +1,128 @@
+"""Every Triton kernel compiles to GPU machine code (cubin) for sm_80 and sm_90, on CPU; and
+the ops layer imports and runs where triton is not installed at all.
+
+triton.compile lowers the kernel through TTIR -> TTGIR -> LLVM IR -> PTX and runs the ptxas
+shipped in the triton wheel, so no GPU is needed. It must run without TRITON_INTERPRET (the
+variable is read when a kernel is *defined*, and conftest sets it for the interpreter tests),
+hence a subprocess with a fresh environment and an empty kernel cache (so it really compiles).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+ARCHITECTURES = (80, 90)
+
+# Runs in the subprocess: compile each (kernel, signature, constexprs) and print cubin sizes.
+COMPILE_SCRIPT = r"""
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from target_worker.kernels import greedy_verify, rejection_sample, warp
+from target_worker.kernels.launch import is_interpreted
+
+BLOCK_V = 4096
+rejection_constants = dict(
+    WEIGHT_SCALE=rejection_sample.WEIGHT_SCALE, UNIFORM_SCALE=rejection_sample.UNIFORM_SCALE,
+    UNIFORM_BITS=rejection_sample.UNIFORM_BITS, UNIFORM_MASK=rejection_sample.UNIFORM_MASK,
+    NO_TOKEN=rejection_sample.NO_TOKEN, BLOCK_K=8, BLOCK_V=BLOCK_V,
+)
+cases = {
+    "argmax_bf16": (greedy_verify._argmax_kernel,
+        dict(logits_ptr="*bf16", num_draft_ptr="*i64", target_tokens_ptr="*i64", k="i32", V="i32"),
+        dict(NO_TOKEN=greedy_verify.NO_TOKEN, BLOCK_V=BLOCK_V)),
+    "argmax_fp32": (greedy_verify._argmax_kernel,
+        dict(logits_ptr="*fp32", num_draft_ptr="*i64", target_tokens_ptr="*i64", k="i32", V="i32"),
+        dict(NO_TOKEN=greedy_verify.NO_TOKEN, BLOCK_V=BLOCK_V)),
+    "accept": (greedy_verify._accept_kernel,
+        dict(draft_tokens_ptr="*i64", target_tokens_ptr="*i64", num_draft_ptr="*i64",
+             accepted_ptr="*i64", next_token_ptr="*i64", k="i32"),
+        dict(BLOCK_K=8)),
+    "rejection_q": (rejection_sample._rejection_sample_kernel,
+        dict(p_ptr="*fp32", q_ptr="*fp32", draft_tokens_ptr="*i64", num_draft_ptr="*i64",
+             u_accept_ptr="*fp64", u_sample_ptr="*fp64", accepted_ptr="*i64",
+             next_token_ptr="*i64", k="i32", V="i32"),
+        dict(HAS_Q=True, **rejection_constants)),
+    "rejection_one_hot": (rejection_sample._rejection_sample_kernel,
+        dict(p_ptr="*fp32", q_ptr="*fp32", draft_tokens_ptr="*i64", num_draft_ptr="*i64",
+             u_accept_ptr="*fp64", u_sample_ptr="*fp64", accepted_ptr="*i64",
+             next_token_ptr="*i64", k="i32", V="i32"),
+        dict(HAS_Q=False, **rejection_constants)),
+    "warp_bf16": (warp._warp_kernel,
+        dict(logits_ptr="*bf16", temperature_ptr="*fp32", top_k_ptr="*i64", top_p_ptr="*fp32",
+             probs_ptr="*fp32", V="i32"),
+        dict(KEY_MIN=warp.KEY_MIN, KEY_MAX=warp.KEY_MAX, SIGN_FLIP=warp.SIGN_FLIP,
+             BLOCK_V=BLOCK_V)),
+}
+sizes = {}
+for name, (kernel, signature, constexprs) in cases.items():
+    assert not is_interpreted(kernel), "TRITON_INTERPRET leaked into the compile subprocess"
+    for key, value in constexprs.items():
+        signature[key] = "constexpr"
+    source = ASTSource(kernel, signature, constexprs)
+    for arch in [int(a) for a in sys.argv[1:]]:
+        compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                                  options=dict(num_warps=8))
+        sizes[f"{name}/sm_{arch}"] = len(compiled.asm["cubin"])
+print(json.dumps(sizes))
+"""
+
+
+def test_every_kernel_compiles_to_cubin_for_sm80_and_sm90(tmp_path: Path) -> None:
+    pytest.importorskip("triton")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_SCRIPT, *map(str, ARCHITECTURES)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    sizes = json.loads(result.stdout.strip().splitlines()[-1])
+    kernels = {
+        "argmax_bf16", "argmax_fp32", "accept", "rejection_q", "rejection_one_hot", "warp_bf16"
+    }
+    assert set(sizes) == {f"{name}/sm_{arch}" for name in kernels for arch in ARCHITECTURES}
+    empty = [name for name, size in sizes.items() if size <= 0]
+    assert not empty, f"empty cubin: {empty}"
+
+
+# Runs in a subprocess where `import triton` fails, as on a machine without it.
+NO_TRITON_SCRIPT = r"""
+import sys
+sys.modules["triton"] = None  # makes any `import triton` raise ImportError
+import torch
+from target_worker.kernels import ops
+
+assert not ops.TRITON_AVAILABLE
+logits = torch.randn(2, 3, 50)
+accepted, next_token = ops.greedy_verify(logits, logits.argmax(-1)[:, :2], torch.tensor([2, 1]))
+assert accepted.tolist() == [2, 1]
+probs = ops.warp_probs(
+    logits, torch.tensor([1.0, 0.5]), torch.tensor([0, 5]), torch.tensor([0.9, 1.0])
+)
+ops.rejection_sample(probs, None, next_token[:, None].expand(2, 2), torch.tensor([2, 0]),
+                     torch.rand(2, 2), torch.rand(2, 3))
+kernel_modules = [m for m in sys.modules if m.startswith("target_worker.kernels.")
+                  and not m.endswith(("_ref", ".ops"))]
+assert kernel_modules == [], kernel_modules
+"""
+
+
+def test_ops_work_without_triton() -> None:
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    result = subprocess.run(
+        [sys.executable, "-c", NO_TRITON_SCRIPT],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]

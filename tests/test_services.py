@@ -1,0 +1,296 @@
+"""The three services on loopback with tiny random models: greedy output equals the target
+alone, token for token, for every drafter; workers are caches; bad input is refused
+cleanly; sessions are freed."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+
+from specdec.client import Client, make_request
+from specdec.errors import FailedPrecondition
+from specdec.models import NGRAM
+from tests.factories import make_tiny_model, make_tiny_tokenizer
+from tests.harness import reference_greedy, run, running_stack
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Summarise: the cat sat on the mat and slept. The cat sat on the mat.",
+    "def add(a, b):\n    return a + b",
+    "Héllo wörld — naïve café 🙂",
+]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    return make_tiny_model(tokenizer, seed=0, layers=2)
+
+
+@pytest.fixture(scope="module")
+def other_draft(tokenizer):
+    return make_tiny_model(tokenizer, seed=1, layers=1, hidden=32)
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return list(rendered["input_ids"])
+
+
+async def generate_all(address: str, prompts, tokenizer, **kwargs):
+    async with Client(address) as client:
+        return [await client.complete(make_request(p, max_new_tokens=MAX_NEW, **kwargs)) for p in prompts]
+
+
+def assert_equals_target(results, prompts, target, tokenizer):
+    for prompt, result in zip(prompts, results):
+        expected = reference_greedy(target, chat_ids(tokenizer, prompt), MAX_NEW)
+        assert result.token_ids == expected, prompt
+
+
+@pytest.mark.parametrize("drafter", ["other-model", "target-itself", NGRAM])
+def test_greedy_output_equals_target_alone(drafter, target, other_draft, tokenizer):
+    draft = {"other-model": other_draft, "target-itself": target, NGRAM: NGRAM}[drafter]
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=draft) as stack:
+            return await generate_all(stack.address, PROMPTS, tokenizer, k=4)
+
+    results = run(scenario())
+    assert_equals_target(results, PROMPTS, target, tokenizer)
+    proposed = sum(r.stats["proposed"] for r in results)
+    assert proposed > 0
+    if drafter == "target-itself":
+        assert all(r.stats["acceptance_rate"] == 1.0 for r in results)
+        assert all(r.stats["tokens_per_round"] > 4.0 for r in results)
+
+
+def test_no_speculation_equals_target_alone(target, other_draft, tokenizer):
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=other_draft) as stack:
+            return await generate_all(stack.address, PROMPTS, tokenizer, speculate=False)
+
+    results = run(scenario())
+    assert_equals_target(results, PROMPTS, target, tokenizer)
+    assert all(r.stats["proposed"] == 0 and r.stats["rounds"] == MAX_NEW for r in results)
+
+
+def test_streamed_text_is_the_decoded_tokens(target, tokenizer):
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=target) as stack:
+            return await generate_all(stack.address, PROMPTS, tokenizer)
+
+    for result in run(scenario()):
+        assert result.text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
+
+
+def test_generation_stops_at_eos_and_returns_it(target, tokenizer):
+    prompt = PROMPTS[0]
+    free_run = reference_greedy(target, chat_ids(tokenizer, prompt), MAX_NEW)
+    eos = free_run[7]  # pretend the 8th generated token is the model's EOS
+    target.generation_config.eos_token_id = eos
+    try:
+        async def scenario():
+            async with running_stack(target, tokenizer, draft=target) as stack:
+                return (await generate_all(stack.address, [prompt], tokenizer))[0]
+
+        result = run(scenario())
+    finally:
+        target.generation_config.eos_token_id = tokenizer.eos_token_id
+    assert result.token_ids == free_run[:free_run.index(eos) + 1]
+    assert result.finish_reason == "FINISH_REASON_EOS"
+
+
+def test_stop_string_cuts_the_text(target, tokenizer):
+    prompt = PROMPTS[1]
+    full = tokenizer.decode(reference_greedy(target, chat_ids(tokenizer, prompt), MAX_NEW), skip_special_tokens=True)
+    stop = full[10:13]
+    assert stop and full.find(stop) >= 0
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=target) as stack:
+            return (await generate_all(stack.address, [prompt], tokenizer, stop=[stop]))[0]
+
+    result = run(scenario())
+    assert result.finish_reason == "FINISH_REASON_STOP"
+    assert result.text == full[:full.find(stop)]
+
+
+def test_max_new_tokens_is_exact(target, tokenizer):
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=target) as stack:
+            async with Client(stack.address) as client:
+                return await client.complete(make_request(PROMPTS[0], max_new_tokens=7, k=4))
+
+    result = run(scenario())
+    assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, PROMPTS[0]), 7)
+    assert result.finish_reason == "FINISH_REASON_LENGTH"
+
+
+def test_steady_state_rounds_send_only_new_tokens(target, tokenizer):
+    sent = []
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=NGRAM) as stack:
+            verify = stack.target_servicer.verifier.verify
+
+            def recording(session_id, start, tokens, drafts):
+                sent.append((start, len(tokens), len(drafts)))
+                return verify(session_id, start, tokens, drafts)
+
+            stack.target_servicer.verifier.verify = recording
+            return (await generate_all(stack.address, [PROMPTS[1]], tokenizer))[0]
+
+    result = run(scenario())
+    prompt_len = len(chat_ids(tokenizer, PROMPTS[1]))
+    assert sent[0] == (0, prompt_len, sent[0][2])
+    # Every later round sends only the tokens committed by the round before: at most k + 1.
+    assert all(start > 0 and n <= 5 for start, n, _ in sent[1:])
+    assert len(sent) == result.stats["rounds"]
+
+
+class Gate:
+    """Blocks a worker's model thread at its Nth call until the test has done something."""
+
+    def __init__(self, fn, at_call: int):
+        self.fn, self.at_call, self.calls = fn, at_call, 0
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, *args):
+        self.calls += 1
+        if self.calls == self.at_call:
+            self.entered.set()
+            self.release.wait(timeout=30)
+        return self.fn(*args)
+
+
+@pytest.mark.parametrize("restarted", ["target", "draft"])
+def test_worker_restart_mid_request_keeps_output(restarted, target, other_draft, tokenizer):
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=other_draft) as stack:
+            # Hold the *other* worker mid-round, restart this one, let the round go on.
+            if restarted == "target":
+                gate = Gate(stack.draft_servicer.proposer.propose, at_call=4)
+                stack.draft_servicer.proposer.propose = gate
+            else:
+                gate = Gate(stack.target_servicer.verifier.verify, at_call=4)
+                stack.target_servicer.verifier.verify = gate
+            async with Client(stack.address) as client:
+                task = asyncio.create_task(client.complete(make_request(PROMPTS[0], max_new_tokens=MAX_NEW, k=3)))
+                assert await asyncio.to_thread(gate.entered.wait, 30)
+                if restarted == "target":
+                    await stack.restart_target(target, tokenizer)
+                else:
+                    await stack.restart_draft(other_draft, tokenizer)
+                gate.release.set()
+                result = await task
+            fresh = stack.target_servicer if restarted == "target" else stack.draft_servicer
+            return result, fresh.store.evictions, len(fresh.store)
+
+    result, _, _ = run(scenario())
+    assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, PROMPTS[0]), MAX_NEW)
+    assert result.stats["resyncs"] >= 1
+
+
+def test_tokenizer_mismatch_is_refused_at_start(target, tokenizer):
+    other_tokenizer = make_tiny_tokenizer(vocab_size=300)
+    other = make_tiny_model(other_tokenizer, seed=2, layers=1, hidden=32)
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=other, draft_tokenizer=other_tokenizer):
+            pass
+
+    with pytest.raises(FailedPrecondition, match="tokenizer mismatch: draft model .* 300 tokens .* 320 tokens"):
+        run(scenario())
+
+
+BAD_REQUESTS = {
+    "no prompt": (dict(), "prompt"),
+    "empty text": (dict(text=""), "prompt"),
+    "max_new_tokens 0": (dict(max_new_tokens=0), "max_new_tokens"),
+    "max_new_tokens over limit": (dict(max_new_tokens=10**6), "max_new_tokens"),
+    "k 0": (dict(num_speculative_tokens=0), "num_speculative_tokens"),
+    "k over limit": (dict(num_speculative_tokens=99), "num_speculative_tokens"),
+    "prompt over context": (dict(token_ids=[5] * 300), "context"),
+    "token id out of vocab": (dict(token_ids=[5, 10**6]), "token_ids"),
+    "bad chat role": (dict(chat=[("robot", "hi")]), "role"),
+    "empty stop string": (dict(stop=[""]), "stop"),
+}
+
+
+def build_bad(fields: dict):
+    from specdec.v1 import coordinator_pb2
+
+    request = coordinator_pb2.GenerateRequest(max_new_tokens=fields.get("max_new_tokens", 8))
+    if "text" in fields:
+        request.text = fields["text"]
+    elif "token_ids" in fields:
+        request.token_ids.ids.extend(fields["token_ids"])
+    elif "chat" in fields:
+        for role, content in fields["chat"]:
+            request.chat.messages.add(role=role, content=content)
+    elif fields:
+        request.text = "hello"
+    if "num_speculative_tokens" in fields:
+        request.num_speculative_tokens = fields["num_speculative_tokens"]
+    request.stop.extend(fields.get("stop", []))
+    return request
+
+
+def test_bad_input_gets_invalid_argument_and_service_stays_up(target, tokenizer):
+    async def scenario():
+        outcomes = {}
+        async with running_stack(target, tokenizer, draft=NGRAM) as stack:
+            async with Client(stack.address) as client:
+                for name, (fields, _) in BAD_REQUESTS.items():
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await client.complete(build_bad(fields))
+                    outcomes[name] = (caught.value.code(), caught.value.details())
+                good = await client.complete(make_request(PROMPTS[0], max_new_tokens=MAX_NEW))
+        return outcomes, good
+
+    outcomes, good = run(scenario())
+    for name, (code, details) in outcomes.items():
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, code, details)
+        assert BAD_REQUESTS[name][1] in details, (name, details)
+    assert good.token_ids == reference_greedy(target, chat_ids(tokenizer, PROMPTS[0]), MAX_NEW)
+
+
+def test_cancelled_request_frees_worker_sessions(target, other_draft, tokenizer):
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=other_draft) as stack:
+            gate = Gate(stack.target_servicer.verifier.verify, at_call=3)
+            stack.target_servicer.verifier.verify = gate
+            async with Client(stack.address) as client:
+                call = client.stream(make_request(PROMPTS[0], max_new_tokens=MAX_NEW))
+                first = await call.read()
+                assert await asyncio.to_thread(gate.entered.wait, 30)
+                held = (len(stack.target_servicer.store), len(stack.draft_servicer.store))
+                call.cancel()
+                gate.release.set()
+                await asyncio.sleep(0.5)
+                await stack.coordinator_servicer.runner.drain()
+                return first, held, (len(stack.target_servicer.store), len(stack.draft_servicer.store))
+
+    first, held, after = run(scenario())
+    assert first.token_ids
+    assert held == (1, 1)
+    assert after == (0, 0)
+
+
+def test_finished_request_frees_worker_sessions(target, other_draft, tokenizer):
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=other_draft) as stack:
+            await generate_all(stack.address, PROMPTS[:2], tokenizer)
+            await stack.coordinator_servicer.runner.drain()
+            return len(stack.target_servicer.store), len(stack.draft_servicer.store)
+
+    assert run(scenario()) == (0, 0)

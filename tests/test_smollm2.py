@@ -1,0 +1,53 @@
+"""The real SmolLM2-135M-Instruct through the three services: greedy output equals the
+model's own `generate(do_sample=False)`, token for token, on varied prompts."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec.client import Client, make_request
+from specdec.models import NGRAM, load_model
+from tests.harness import reference_greedy, run, running_stack
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = {
+    "grounded": "Summarise in one sentence: The Amazon rainforest covers much of the Amazon basin of South "
+                "America. It is home to millions of species of insects, plants, birds and other forms of life, "
+                "and its trees store a large share of the world's land carbon.",
+    "open": "What is the capital of France, and why is it famous?",
+    "code": "Write a Python function that returns the factorial of n.",
+    "list": "List three primary colours.",
+    "rewrite": "Rewrite this sentence in the passive voice: The committee approved the new budget on Monday.",
+}
+MAX_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2-135m")
+
+
+def test_smollm2_greedy_output_equals_target_alone(smollm2):
+    model, tokenizer = smollm2
+
+    async def scenario():
+        async with running_stack(model, tokenizer, draft=NGRAM) as stack:
+            async with Client(stack.address) as client:
+                spec = {name: await client.complete(make_request(prompt, max_new_tokens=MAX_NEW, k=4))
+                        for name, prompt in PROMPTS.items()}
+                base = await client.complete(make_request(PROMPTS["grounded"], max_new_tokens=MAX_NEW,
+                                                          speculate=False))
+                return spec, base
+
+    spec, base = run(scenario())
+    for name, prompt in PROMPTS.items():
+        prompt_ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                        add_generation_prompt=True)["input_ids"])
+        expected = reference_greedy(model, prompt_ids, MAX_NEW)
+        assert spec[name].token_ids == expected, name
+        assert spec[name].text == tokenizer.decode(expected, skip_special_tokens=True), name
+        if name == "grounded":
+            assert base.token_ids == expected
+    # The n-gram drafter copies from a grounded prompt: speculation is doing work there.
+    assert spec["grounded"].stats["accepted"] > 0

@@ -1,0 +1,115 @@
+"""Plain-Python parts, without servers: the delta protocol, n-gram lookup, streaming text."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.detokenizer import IncrementalDetokenizer, StopMatcher
+from draft_worker.drafters.ngram import lookup
+from specdec.errors import InvalidArgument
+from specdec.sessions import Resync, SessionStore, SyncedContext
+from tests.factories import make_tiny_tokenizer
+
+
+def make_store(max_sessions=4, max_cache_bytes=10**9, bytes_per_token=1) -> SessionStore:
+    return SessionStore(max_sessions, max_cache_bytes, bytes_per_token)
+
+
+class TestSessionStore:
+    def test_new_session_needs_start_zero(self):
+        assert make_store().sync("s", 3, [1, 2]) == Resync(cached_len=0)
+
+    def test_first_sync_returns_whole_context(self):
+        synced = make_store().sync("s", 0, [1, 2, 3])
+        assert isinstance(synced, SyncedContext)
+        assert synced.context == [1, 2, 3] and synced.reusable == 0
+
+    def test_delta_reuses_cached_prefix_and_accepted_drafts(self):
+        store = make_store()
+        synced = store.sync("s", 0, [1, 2, 3])
+        synced.session.ids = [1, 2, 3, 7, 8, 9]  # the worker fed drafts 7 8 9
+        synced = store.sync("s", 3, [7, 8, 5])  # the target accepted 7 8, then chose 5
+        assert synced.context == [1, 2, 3, 7, 8, 5]
+        assert synced.reusable == 5
+
+    def test_start_beyond_committed_asks_resync_from_what_is_held(self):
+        store = make_store()
+        synced = store.sync("s", 0, [1, 2, 3])
+        synced.session.ids = [1, 2, 3, 4]  # 4 is speculative: never reported as held
+        assert store.sync("s", 4, [5]) == Resync(cached_len=3)
+
+    def test_lru_eviction_by_count(self):
+        store = make_store(max_sessions=2)
+        for name in "abc":
+            store.sync(name, 0, [1])
+        assert "a" not in store and "b" in store and "c" in store and store.evictions == 1
+
+    def test_byte_budget_evicts_least_recently_used_but_not_current(self):
+        store = make_store(max_cache_bytes=5)
+        for name in "ab":
+            store.sync(name, 0, [1, 2, 3]).session.ids = [1, 2, 3]
+        store.enforce_budget(keep="b")
+        assert "a" not in store and "b" in store
+
+    def test_empty_delta_is_invalid(self):
+        with pytest.raises(InvalidArgument, match="delta.tokens"):
+            make_store().sync("s", 0, [])
+
+    def test_release(self):
+        store = make_store()
+        store.sync("s", 0, [1])
+        assert store.release("s") and not store.release("s")
+
+
+class TestNgramLookup:
+    def test_proposes_what_followed_the_most_recent_match(self):
+        assert lookup([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3], k=2) == [5, 6]
+
+    def test_prefers_longer_ngrams(self):
+        # last 2 tokens [7, 3] occur once (followed by 8); the unigram [3] occurs later.
+        assert lookup([7, 3, 8, 0, 3, 9, 7, 3], k=1) == [8]
+
+    def test_no_match_proposes_nothing(self):
+        assert lookup([1, 2, 3, 4], k=3) == []
+
+    def test_short_followers_are_cut_to_what_exists(self):
+        assert lookup([5, 6, 5], k=4) == [6, 5]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tiny_tokenizer()
+
+
+class TestIncrementalDetokenizer:
+    def test_never_splits_a_multibyte_character(self, tokenizer):
+        text = "naïve 日本語 🙂 ok"
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        detok = IncrementalDetokenizer(tokenizer, [])
+        deltas = [detok.push(t) for t in ids] + [detok.flush()]
+        assert "".join(deltas) == text
+        assert not any("\ufffd" in d for d in deltas)
+
+    def test_byte_tokens_of_one_emoji_are_released_together(self, tokenizer):
+        ids = tokenizer("🙂", add_special_tokens=False)["input_ids"]
+        assert len(ids) > 1  # the test needs a character spread over several tokens
+        detok = IncrementalDetokenizer(tokenizer, [])
+        deltas = [detok.push(t) for t in ids]
+        assert deltas[:-1] == [""] * (len(ids) - 1) and deltas[-1] == "🙂"
+
+
+class TestStopMatcher:
+    def test_stop_split_across_deltas_is_cut(self):
+        matcher = StopMatcher(["STOP"])
+        out = matcher.feed("hello ST") + matcher.feed("OP and more")
+        assert out == "hello " and matcher.stopped
+
+    def test_text_is_held_back_only_as_long_as_a_stop_could_start(self):
+        matcher = StopMatcher(["abc"])
+        assert matcher.feed("xyzab") == "xyz"
+        assert matcher.feed("q") == "a"
+        assert matcher.finish() == "bq" and not matcher.stopped
+
+    def test_no_stop_strings_holds_nothing_back(self):
+        matcher = StopMatcher([])
+        assert matcher.feed("abc") == "abc" and matcher.finish() == ""
