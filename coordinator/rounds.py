@@ -20,6 +20,7 @@ from coordinator.detokenizer import IncrementalDetokenizer, StopMatcher
 from coordinator.workers import DraftClient, TargetClient, WorkerSession
 from specdec import metrics
 from specdec.errors import Unavailable
+from specdec.sampling import GREEDY, Sampling
 from specdec.v1 import coordinator_pb2
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class GenerationPlan:
     stop: list[str]
     eos_ids: frozenset[int]
     max_context: int
+    sampling: Sampling = GREEDY
 
 
 @dataclass
@@ -92,6 +94,7 @@ class RoundRunner:
         stopper = StopMatcher(plan.stop)
         finish = FinishReason.FINISH_REASON_UNSPECIFIED
         use_draft = plan.speculate and self.draft is not None
+        sampling = None if plan.sampling.greedy else plan.sampling.to_proto()
         try:
             while finish == FinishReason.FINISH_REASON_UNSPECIFIED:
                 remaining = plan.max_new_tokens - stats.generated
@@ -100,7 +103,7 @@ class RoundRunner:
                 # target adds one token of its own per round.
                 k = min(plan.k, remaining - 1, room - 1) if use_draft else 0
                 drafts = await self._propose(draft_session, committed, k, stats) if k > 0 else []
-                verdict = await self.target.verify(target_session, committed, drafts)
+                verdict = await self.target.verify(target_session, committed, drafts, sampling)
                 stats.rounds += 1
                 stats.proposed += len(drafts)
                 stats.accepted += verdict.accepted
@@ -127,6 +130,7 @@ class RoundRunner:
                 if finish != FinishReason.FINISH_REASON_UNSPECIFIED:
                     response.finish_reason = finish
                     response.stats.CopyFrom(stats.to_proto(len(plan.prompt_ids), sessions))
+                    response.stats.seed = plan.sampling.seed
                 yield response
         finally:
             self._release_later(target_session, draft_session if use_draft else None)

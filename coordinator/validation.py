@@ -6,6 +6,7 @@ import uuid
 
 from coordinator.rounds import GenerationPlan
 from specdec.config import CoordinatorConfig
+from specdec import sampling
 from specdec.errors import InvalidArgument
 from specdec.v1 import coordinator_pb2
 
@@ -77,4 +78,5 @@ def plan_request(request: coordinator_pb2.GenerateRequest, prompt_ids: list[int]
         stop=list(request.stop),
         eos_ids=eos_ids,
         max_context=max_context,
+        sampling=sampling.from_request(request),
     )

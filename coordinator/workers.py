@@ -118,8 +118,10 @@ class TargetClient(WorkerClient):
         super().__init__("target", address, **kwargs)
         self._stub = target_pb2_grpc.TargetWorkerStub(self.channel)
 
-    async def verify(self, session: WorkerSession, committed: list[int], drafts: list[int]) -> target_pb2.Verdict:
+    async def verify(self, session: WorkerSession, committed: list[int], drafts: list[int],
+                     sampling: common_pb2.SamplingParams | None = None) -> target_pb2.Verdict:
         return await self._round(
-            session, committed, lambda delta: target_pb2.VerifyRequest(delta=delta, draft_tokens=drafts),
+            session, committed,
+            lambda delta: target_pb2.VerifyRequest(delta=delta, draft_tokens=drafts, sampling=sampling),
             self._stub.Verify,
         )

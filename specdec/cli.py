@@ -104,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--temperature", type=float, default=None, help="sampling temperature; 0 (default): greedy")
+    generate.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens; 0: off")
+    generate.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]; 1: off")
+    generate.add_argument("--seed", type=int, default=None, help="random seed: same seed, same tokens")
     generate.add_argument("--timeout", type=float, default=None, help="deadline of the call, seconds")
     generate.add_argument("--wait-ready", type=float, default=0.0,
                           help="wait up to this many seconds for the coordinator to come up")
@@ -167,8 +171,13 @@ async def _run_serve(args) -> int:
 async def _run_generate(args) -> int:
     from specdec.client import Client, make_request
 
-    request = make_request(args.prompt, raw=args.raw, max_new_tokens=args.max_new_tokens, k=args.k,
-                           speculate=not args.no_speculation, stop=args.stop)
+    try:
+        request = make_request(args.prompt, raw=args.raw, max_new_tokens=args.max_new_tokens, k=args.k,
+                               speculate=not args.no_speculation, stop=args.stop, temperature=args.temperature,
+                               top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    except (ValueError, TypeError) as exc:  # e.g. a negative seed or k does not fit the field
+        print(f"INVALID_ARGUMENT: {exc}", file=sys.stderr)
+        return 2
 
     def stream_text(delta: str) -> None:
         sys.stdout.write(delta)

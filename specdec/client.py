@@ -12,12 +12,13 @@ import grpc
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 STATS_FIELDS = ("rounds", "proposed", "accepted", "acceptance_rate", "tokens_per_round", "ttft_s", "tokens_per_s")
-EXTRA_STATS_FIELDS = ("prompt_tokens", "generated_tokens", "draft_s", "verify_s", "wire_bytes", "resyncs")
+EXTRA_STATS_FIELDS = ("prompt_tokens", "generated_tokens", "draft_s", "verify_s", "wire_bytes", "resyncs", "seed")
 
 
 def make_request(prompt: str | list[int], *, raw: bool = False, max_new_tokens: int = 128, k: int | None = None,
                  speculate: bool = True, stop: list[str] | None = None,
-                 request_id: str = "") -> coordinator_pb2.GenerateRequest:
+                 request_id: str = "", temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None) -> coordinator_pb2.GenerateRequest:
     """A GenerateRequest: a list of ids is sent as token_ids, text as one user chat message
     (through the target's chat template) unless raw."""
     request = coordinator_pb2.GenerateRequest(max_new_tokens=max_new_tokens, disable_speculation=not speculate,
@@ -30,6 +31,9 @@ def make_request(prompt: str | list[int], *, raw: bool = False, max_new_tokens: 
         request.chat.messages.add(role="user", content=prompt)
     if k is not None:
         request.num_speculative_tokens = k
+    for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p), ("seed", seed)):
+        if value is not None:
+            setattr(request, name, value)
     return request
 
 

@@ -8,6 +8,7 @@ from specdec import metrics
 from specdec.config import WorkerConfig
 from specdec.lm import CausalLM
 from specdec.models import load_model
+from specdec.sampling import Sampling
 from specdec.serving import ModelThread, RunningServer, start_server
 from specdec.sessions import Resync, SessionStore
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -29,7 +30,8 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
         delta = request.delta
         with metrics.worker_call("target", "Verify"):
             result = await self.thread.run(
-                self.verifier.verify, delta.session_id, delta.start, list(delta.tokens), list(request.draft_tokens)
+                self.verifier.verify, delta.session_id, delta.start, list(delta.tokens), list(request.draft_tokens),
+                Sampling.from_proto(request.sampling if request.HasField("sampling") else None),
             )
         if isinstance(result, Resync):
             metrics.WORKER_RESYNCS.labels("target").inc()

@@ -18,6 +18,8 @@ import torch
 
 from specdec.errors import InvalidArgument
 from specdec.lm import CausalLM
+from specdec.philox import round_uniforms
+from specdec.sampling import GREEDY, Sampling
 from specdec.sessions import Resync, SessionStore
 from target_worker.kernels import ops
 
@@ -43,7 +45,8 @@ class Verifier:
         if bad:
             raise InvalidArgument(f"{name}: token id {bad[0]} outside the vocabulary 0..{self.vocab_size - 1}")
 
-    def verify(self, session_id: str, start: int, tokens: list[int], drafts: list[int]) -> Verdict | Resync:
+    def verify(self, session_id: str, start: int, tokens: list[int], drafts: list[int],
+               sampling: Sampling = GREEDY) -> Verdict | Resync:
         began = time.perf_counter()
         if len(drafts) > self.max_draft_tokens:
             raise InvalidArgument(f"draft_tokens: {len(drafts)} exceeds the limit of {self.max_draft_tokens}")
@@ -60,14 +63,30 @@ class Verifier:
         fed = self.lm.prepare(synced) + drafts
         k = len(drafts)
         logits = self.lm.feed(session, fed, logits_to_keep=k + 1)  # [k + 1, V]
-        if k == 0:  # a plain decoding step
-            accepted_n, next_id = 0, int(torch.argmax(logits[0]))
-        else:
-            draft = torch.tensor([drafts], dtype=torch.long, device=logits.device)  # [1, k]
-            num_draft = torch.tensor([k], dtype=torch.long, device=logits.device)  # [1]
-            accepted, next_token = ops.greedy_verify(logits[None], draft, num_draft)
-            accepted_n, next_id = int(accepted[0]), int(next_token[0])
+        accepted_n, next_id = self._decide(logits, drafts, len(synced.context), sampling)
         committed = len(synced.context) + accepted_n
         self.lm.crop(session, committed)
         self.store.enforce_budget(keep=session_id)
         return Verdict(accepted_n, next_id, committed, time.perf_counter() - began)
+
+    @staticmethod
+    def _decide(logits: torch.Tensor, drafts: list[int], first_position: int, sampling: Sampling) -> tuple[int, int]:
+        """(accepted, next token) for one session: greedy, or sampled with uniforms keyed by
+        (seed, absolute position) — first_position is the committed length, the position of
+        the round's first output token."""
+        k = len(drafts)
+        device = logits.device
+        if sampling.greedy and k == 0:  # a plain decoding step
+            return 0, int(torch.argmax(logits[0]))
+        draft = torch.tensor([drafts], dtype=torch.long, device=device).reshape(1, k)  # [1, k]
+        num_draft = torch.tensor([k], dtype=torch.long, device=device)  # [1]
+        if sampling.greedy:
+            accepted, next_token = ops.greedy_verify(logits[None], draft, num_draft)
+        else:
+            probs = ops.warp_probs(
+                logits[None],  # [1, k + 1, V]
+                torch.tensor([sampling.temperature]), torch.tensor([sampling.top_k]), torch.tensor([sampling.top_p]),
+            )
+            _, u_sample = round_uniforms(torch.tensor([sampling.seed]), torch.tensor([first_position]), k)
+            accepted, next_token = ops.sampled_match(probs, draft, num_draft, u_sample)
+        return int(accepted[0]), int(next_token[0])

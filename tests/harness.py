@@ -116,3 +116,28 @@ _LOOP = asyncio.new_event_loop()
 
 def run(coro):
     return _LOOP.run_until_complete(coro)
+
+
+def reference_sample(model, prompt_ids: list[int], max_new_tokens: int, temperature: float, top_k: int = 0,
+                     top_p: float = 1.0, seed: int = 0, eos_ids=()) -> list[int]:
+    """The target alone, sampling: one full forward per token, warped, drawn by inverse CDF
+    with the Philox uniform of (seed, absolute position) — the sampler a seeded request
+    must reproduce token for token."""
+    from specdec.philox import STREAM_SAMPLE, philox_uniforms
+    from target_worker.kernels.rejection_sample_ref import probability_weights, sample_weights
+    from target_worker.kernels.warp_ref import warp_probs_ref
+
+    ids = list(prompt_ids)
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            logits = model(torch.tensor([ids])).logits[0, -1:].float()  # [1, V]
+            probs = warp_probs_ref(logits, torch.tensor([temperature]), torch.tensor([top_k]),
+                                   torch.tensor([top_p]))  # [1, V]
+            u = philox_uniforms(torch.tensor([seed]), torch.tensor([[len(ids)]]), STREAM_SAMPLE)[:, 0]  # [1]
+            token = int(sample_weights(probability_weights(probs), u)[0])
+            ids.append(token)
+            out.append(token)
+            if token in eos_ids:
+                break
+    return out

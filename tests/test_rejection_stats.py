@@ -30,6 +30,7 @@ from target_worker.kernels.rejection_sample_ref import (
     rejection_sample_ref,
     sample_weights,
 )
+from target_worker.kernels.sampled_match_ref import sampled_match_ref
 
 K = 3
 VOCAB = 6
@@ -163,7 +164,52 @@ def test_emitted_tokens_follow_target_at_every_position(case: str) -> None:
     assert chi_square_failures(inputs, counts) == []
 
 
+def sampled_match_sampler(target_probs, draft_probs, draft_tokens, num_draft, u_accept, u_sample):
+    """The coupled one-hot rule the target worker runs for token-only drafts."""
+    assert draft_probs is None
+    return sampled_match_ref(target_probs, draft_tokens, num_draft, u_sample)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_sampled_match_follows_target_at_every_position(ragged: bool) -> None:
+    inputs = make_trials(CASES["one_hot_ragged" if ragged else "one_hot"][2], True, ragged, seed=2025)
+    accepted, next_token = sampled_match_sampler(**inputs)
+    counts = emitted_counts(inputs, accepted, next_token)
+    for position, observed in enumerate(counts):
+        power = power_to_detect_shift(int(observed.sum()), target_at(inputs, position))
+        assert power >= MIN_POWER, f"position {position}: too few trials reach it ({power=:.3f})"
+    assert chi_square_failures(inputs, counts) == []
+
+
+def test_sampled_match_emits_what_target_alone_draws_with_the_same_uniforms() -> None:
+    inputs = make_trials(5000, one_hot=True, ragged=True, seed=11)
+    accepted, next_token = sampled_match_sampler(**inputs)
+    alone = sample_weights(  # the target sampling each position by itself: [N, k + 1]
+        probability_weights(inputs["target_probs"].reshape(-1, VOCAB)), inputs["u_sample"].reshape(-1)
+    ).reshape(-1, K + 1)
+    rows = torch.arange(len(accepted))
+    assert torch.equal(next_token, alone[rows, accepted])
+    for position in range(K):
+        kept = accepted > position
+        assert torch.equal(inputs["draft_tokens"][kept, position], alone[kept, position])
+
+
 # --- the test has teeth: deliberately wrong samplers fail it -------------------------------
+
+
+def match_then_resample(target_probs, draft_probs, draft_tokens, num_draft, u_accept, u_sample):
+    """Wrong: accepts like sampled_match, but after a rejection draws again from p with a
+    fresh uniform (the draft token can then come back: too much mass on it)."""
+    accepted, _ = sampled_match_ref(target_probs, draft_tokens, num_draft, u_sample)
+    rows = torch.arange(len(accepted))
+    fresh = (u_sample[:, 0] * 7919.0) % 1.0
+    return accepted, sample_weights(probability_weights(target_probs[rows, accepted]), fresh)
+
+
+def test_wrong_coupled_sampler_is_rejected() -> None:
+    inputs = make_trials(CASES["one_hot"][2], one_hot=True, ragged=False, seed=2025)
+    accepted, next_token = match_then_resample(**inputs)
+    assert chi_square_failures(inputs, emitted_counts(inputs, accepted, next_token)) != []
 
 
 def recover_from_p(target_probs, draft_probs, draft_tokens, num_draft, u_accept, u_sample):

@@ -142,9 +142,9 @@ def test_steady_state_rounds_send_only_new_tokens(target, tokenizer):
         async with running_stack(target, tokenizer, draft=NGRAM) as stack:
             verify = stack.target_servicer.verifier.verify
 
-            def recording(session_id, start, tokens, drafts):
+            def recording(session_id, start, tokens, drafts, *rest):
                 sent.append((start, len(tokens), len(drafts)))
-                return verify(session_id, start, tokens, drafts)
+                return verify(session_id, start, tokens, drafts, *rest)
 
             stack.target_servicer.verifier.verify = recording
             return (await generate_all(stack.address, [PROMPTS[1]], tokenizer))[0]
@@ -294,3 +294,53 @@ def test_finished_request_frees_worker_sessions(target, other_draft, tokenizer):
             return len(stack.target_servicer.store), len(stack.draft_servicer.store)
 
     assert run(scenario()) == (0, 0)
+
+
+def test_health_and_reflection_are_served(target, tokenizer):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=NGRAM) as stack:
+            statuses, listed = {}, {}
+            for name, server in (("coordinator", stack.coordinator), ("target", stack.target),
+                                 ("draft", stack.draft)):
+                async with grpc.aio.insecure_channel(server.address) as channel:
+                    check = health_pb2_grpc.HealthStub(channel).Check
+                    for service in ["", *server.service_names]:
+                        reply = await check(health_pb2.HealthCheckRequest(service=service))
+                        statuses[(name, service)] = reply.status
+                    stream = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                        iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+                    async for reply in stream:
+                        listed[name] = {s.name for s in reply.list_services_response.service}
+            return statuses, listed
+
+    statuses, listed = run(scenario())
+    assert set(statuses.values()) == {1}  # SERVING
+    assert "specdec.v1.Coordinator" in listed["coordinator"]
+    assert "specdec.v1.TargetWorker" in listed["target"] and "specdec.v1.DraftWorker" in listed["draft"]
+    assert all("grpc.health.v1.Health" in names for names in listed.values())
+
+
+def test_graceful_stop_finishes_in_flight_request_and_reports_not_serving(target, other_draft, tokenizer):
+    from grpc_health.v1 import health_pb2
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=other_draft) as stack:
+            gate = Gate(stack.target_servicer.verifier.verify, at_call=3)
+            stack.target_servicer.verifier.verify = gate
+            async with Client(stack.address) as client:
+                task = asyncio.create_task(client.complete(make_request(PROMPTS[0], max_new_tokens=MAX_NEW)))
+                assert await asyncio.to_thread(gate.entered.wait, 30)
+                stopping = asyncio.create_task(stack.coordinator.stop(grace=30))
+                await asyncio.sleep(0.2)
+                status = stack.coordinator.health._server_status[""]
+                gate.release.set()
+                result = await task
+                await stopping
+                return status, result
+
+    status, result = run(scenario())
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, PROMPTS[0]), MAX_NEW)

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdec/v1/coordinator.proto\x12\nspecdec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\nChatPrompt\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x95\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.specdec.v1.ChatPromptH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12#\n\x16num_speculative_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x1b\n\x13\x64isable_speculation\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\tB\x08\n\x06promptB\x19\n\x17_num_speculative_tokens\"\x90\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\"\x97\x02\n\x0fGenerationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x10\n\x08proposed\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x18\n\x10tokens_per_round\x18\x05 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x07 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x08 \x01(\r\x12\x18\n\x10generated_tokens\x18\t \x01(\r\x12\x0f\n\x07\x64raft_s\x18\n \x01(\x01\x12\x10\n\x08verify_s\x18\x0b \x01(\x01\x12\x12\n\nwire_bytes\x18\x0c \x01(\x04\x12\x0f\n\x07resyncs\x18\r \x01(\r*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32V\n\x0b\x43oordinator\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecdec/v1/coordinator.proto\x12\nspecdec.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\nChatPrompt\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x97\x03\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12&\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x16.specdec.v1.ChatPromptH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12#\n\x16num_speculative_tokens\x18\x05 \x01(\rH\x01\x88\x01\x01\x12\x1b\n\x13\x64isable_speculation\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nrequest_id\x18\x08 \x01(\t\x12\x18\n\x0btemperature\x18\t \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\n \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x0b \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x04H\x05\x88\x01\x01\x42\x08\n\x06promptB\x19\n\x17_num_speculative_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"\x90\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12*\n\x05stats\x18\x04 \x01(\x0b\x32\x1b.specdec.v1.GenerationStats\"\xa5\x02\n\x0fGenerationStats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x10\n\x08proposed\x18\x02 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x04 \x01(\x01\x12\x18\n\x10tokens_per_round\x18\x05 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x07 \x01(\x01\x12\x15\n\rprompt_tokens\x18\x08 \x01(\r\x12\x18\n\x10generated_tokens\x18\t \x01(\r\x12\x0f\n\x07\x64raft_s\x18\n \x01(\x01\x12\x10\n\x08verify_s\x18\x0b \x01(\x01\x12\x12\n\nwire_bytes\x18\x0c \x01(\x04\x12\x0f\n\x07resyncs\x18\r \x01(\r\x12\x0c\n\x04seed\x18\x0e \x01(\x04*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x32V\n\x0b\x43oordinator\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.coordinator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=881
-  _globals['_FINISHREASON']._serialized_end=999
+  _globals['_FINISHREASON']._serialized_start=1025
+  _globals['_FINISHREASON']._serialized_end=1143
   _globals['_CHATMESSAGE']._serialized_start=44
   _globals['_CHATMESSAGE']._serialized_end=88
   _globals['_CHATPROMPT']._serialized_start=90
@@ -40,11 +40,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=147
   _globals['_TOKENIDS']._serialized_end=170
   _globals['_GENERATEREQUEST']._serialized_start=173
-  _globals['_GENERATEREQUEST']._serialized_end=450
-  _globals['_GENERATERESPONSE']._serialized_start=453
-  _globals['_GENERATERESPONSE']._serialized_end=597
-  _globals['_GENERATIONSTATS']._serialized_start=600
-  _globals['_GENERATIONSTATS']._serialized_end=879
-  _globals['_COORDINATOR']._serialized_start=1001
-  _globals['_COORDINATOR']._serialized_end=1087
+  _globals['_GENERATEREQUEST']._serialized_end=580
+  _globals['_GENERATERESPONSE']._serialized_start=583
+  _globals['_GENERATERESPONSE']._serialized_end=727
+  _globals['_GENERATIONSTATS']._serialized_start=730
+  _globals['_GENERATIONSTATS']._serialized_end=1023
+  _globals['_COORDINATOR']._serialized_start=1145
+  _globals['_COORDINATOR']._serialized_end=1231
 # @@protoc_insertion_point(module_scope)

@@ -39,7 +39,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "token_ids", "max_new_tokens", "num_speculative_tokens", "disable_speculation", "stop", "request_id")
+    __slots__ = ("text", "chat", "token_ids", "max_new_tokens", "num_speculative_tokens", "disable_speculation", "stop", "request_id", "temperature", "top_k", "top_p", "seed")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,10 @@ class GenerateRequest(_message.Message):
     DISABLE_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatPrompt
     token_ids: TokenIds
@@ -56,7 +60,11 @@ class GenerateRequest(_message.Message):
     disable_speculation: bool
     stop: _containers.RepeatedScalarFieldContainer[str]
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., disable_speculation: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., disable_speculation: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats")
@@ -71,7 +79,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("rounds", "proposed", "accepted", "acceptance_rate", "tokens_per_round", "ttft_s", "tokens_per_s", "prompt_tokens", "generated_tokens", "draft_s", "verify_s", "wire_bytes", "resyncs")
+    __slots__ = ("rounds", "proposed", "accepted", "acceptance_rate", "tokens_per_round", "ttft_s", "tokens_per_s", "prompt_tokens", "generated_tokens", "draft_s", "verify_s", "wire_bytes", "resyncs", "seed")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +93,7 @@ class GenerationStats(_message.Message):
     VERIFY_S_FIELD_NUMBER: _ClassVar[int]
     WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESYNCS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     proposed: int
     accepted: int
@@ -98,4 +107,5 @@ class GenerationStats(_message.Message):
     verify_s: float
     wire_bytes: int
     resyncs: int
-    def __init__(self, rounds: _Optional[int] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_round: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., resyncs: _Optional[int] = ...) -> None: ...
+    seed: int
+    def __init__(self, rounds: _Optional[int] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_round: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., resyncs: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...

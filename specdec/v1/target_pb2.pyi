@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("delta", "draft_tokens")
+    __slots__ = ("delta", "draft_tokens", "sampling")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     delta: _common_pb2.SessionDelta
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, delta: _Optional[_Union[_common_pb2.SessionDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, delta: _Optional[_Union[_common_pb2.SessionDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("verdict", "resync")

@@ -17,6 +17,7 @@ import torch
 
 from target_worker.kernels.greedy_verify_ref import greedy_verify_ref
 from target_worker.kernels.rejection_sample_ref import rejection_sample_ref
+from target_worker.kernels.sampled_match_ref import sampled_match_ref
 from target_worker.kernels.warp_ref import warp_probs_ref
 
 try:
@@ -86,6 +87,28 @@ def rejection_sample(
         )
     return rejection_sample_ref(
         target_probs, draft_probs, draft_tokens, num_draft, u_accept, u_sample
+    )
+
+
+def sampled_match(
+    target_probs: torch.Tensor,  # [B, k + 1, V] p, already warped
+    draft_tokens: torch.Tensor,  # [B, k] int, entries past num_draft are ignored
+    num_draft: torch.Tensor,  # [B] int, drafts per row (0 .. k)
+    u_sample: torch.Tensor,  # [B, k + 1] uniforms in [0, 1) (philox STREAM_SAMPLE)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampling verification of drafts without probabilities: (accepted [B], next_token [B]).
+
+    The target draws its own token at every position with u_sample; drafts are accepted
+    while they equal those draws (see sampled_match_ref for why this is exact and why the
+    output then equals target-only sampling token for token). Torch on every device: it is
+    one inverse-CDF draw per position, which the warp kernel's output feeds directly.
+    """
+    device = target_probs.device
+    return sampled_match_ref(
+        target_probs.contiguous(),
+        draft_tokens.to(device=device, dtype=torch.int64).contiguous(),
+        num_draft.to(device=device, dtype=torch.int64).contiguous(),
+        u_sample.to(device=device, dtype=torch.float64).contiguous(),
     )
 
 
