@@ -10,6 +10,9 @@ the bytes a kernel must read, divided by its time:
 * greedy_verify:    the logits of every scored position, B * (k + 1) * V * itemsize;
 * rejection_sample: p and q of the one position each row emits from, B * V * 4 * 2
                     (the kernel reads them twice; acceptance gathers are negligible);
+* sampled_match:    one-hot drafts (the coupled rule): p at every position up to num_draft,
+                    B * (k + 1) * V * 4 (the total pass; the search pass stops at the token
+                    and re-reads mostly from L2);
 * warp_probs:       the logits once plus the probabilities written, N * V * (itemsize + 4)
                     (the bisection passes re-read rows, mostly from L2).
 
@@ -109,6 +112,30 @@ def bench_rejection(batch: int, k: int, vocab: int) -> dict:
     )
 
 
+def bench_sampled_match(batch: int, k: int, vocab: int) -> dict:
+    from specdec.philox import round_uniforms
+    from target_worker.kernels.rejection_sample import rejection_sample_triton
+    from target_worker.kernels.rejection_sample_ref import rejection_sample_ref
+
+    logits = torch.randn(batch, k + 1, vocab, device="cuda") * 3
+    p = torch.softmax(logits, dim=-1)  # [B, k + 1, V]
+    draft_tokens = p[:, :k].argmax(dim=-1).contiguous()  # [B, k], the favourites
+    num_draft = torch.full((batch,), k, device="cuda")  # every position drawn
+    _, u_sample = round_uniforms(
+        torch.arange(batch, device="cuda"), torch.zeros(batch, dtype=torch.int64, device="cuda"), k
+    )
+    u_accept = torch.zeros(batch, k, dtype=torch.float64, device="cuda")  # not read
+    args = (p, None, draft_tokens, num_draft, u_accept, u_sample.contiguous())
+    got = rejection_sample_triton(*args)
+    expected = rejection_sample_ref(*args)
+    match = all(torch.equal(a, b) for a, b in zip(got, expected))
+    return entry(
+        "sampled_match", batch, k, vocab, p.numel() * 4,
+        time_ms(lambda: rejection_sample_triton(*args)),
+        time_ms(lambda: rejection_sample_ref(*args)), match,
+    )
+
+
 def bench_warp(batch: int, k: int, vocab: int) -> dict:
     from target_worker.kernels.warp import warp_probs_triton
     from target_worker.kernels.warp_ref import warp_probs_ref
@@ -151,7 +178,7 @@ def main() -> int:
         grid = [(49152, 8, 4)]
     results = []
     for vocab, batch, k in grid:
-        for bench in (bench_greedy, bench_rejection, bench_warp):
+        for bench in (bench_greedy, bench_rejection, bench_sampled_match, bench_warp):
             results.append(bench(batch, k, vocab))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     report = {

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from coordinator.adaptive import AdaptiveK
 from coordinator.detokenizer import IncrementalDetokenizer, StopMatcher
 from coordinator.workers import DraftClient, TargetClient, WorkerSession
 from specdec import metrics
@@ -95,16 +96,18 @@ class RoundRunner:
         finish = FinishReason.FINISH_REASON_UNSPECIFIED
         use_draft = plan.speculate and self.draft is not None
         sampling = None if plan.sampling.greedy else plan.sampling.to_proto()
+        adaptive = AdaptiveK(k_max=plan.k)
         try:
             while finish == FinishReason.FINISH_REASON_UNSPECIFIED:
                 remaining = plan.max_new_tokens - stats.generated
                 room = plan.max_context - len(committed)
                 # Never draft past what may be generated or what fits the context: the
                 # target adds one token of its own per round.
-                k = min(plan.k, remaining - 1, room - 1) if use_draft else 0
+                k = min(adaptive.next_k(), remaining - 1, room - 1) if use_draft else 0
                 drafts = await self._propose(draft_session, committed, k, stats) if k > 0 else []
                 verdict = await self.target.verify(target_session, committed, drafts, sampling)
                 stats.rounds += 1
+                adaptive.update(len(drafts), verdict.accepted)
                 stats.proposed += len(drafts)
                 stats.accepted += verdict.accepted
                 new, finish = self._commit(drafts[:verdict.accepted] + [verdict.next_token], plan, stats, room)

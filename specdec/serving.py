@@ -41,7 +41,7 @@ class ModelThread:
 @dataclass
 class RunningServer:
     server: grpc.aio.Server
-    health: health.HealthServicer
+    health: health.aio.HealthServicer
     port: int
     service_names: list[str]
     config: ServerConfig
@@ -53,7 +53,7 @@ class RunningServer:
 
     async def stop(self, grace: float | None = None) -> None:
         """Health goes NOT_SERVING, in-flight calls finish (up to `grace` s), then stop."""
-        self.health.enter_graceful_shutdown()
+        await self.health.enter_graceful_shutdown()
         await self.server.stop(self.config.grace_period_s if grace is None else grace)
         if self.on_stop is not None:
             self.on_stop()
@@ -76,7 +76,8 @@ async def start_server(
     ]
     server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=options)
     register(server)
-    health_servicer = health.HealthServicer()
+    # The asyncio servicer: the sync one's Check is not awaitable under grpc.aio.
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
@@ -87,7 +88,7 @@ async def start_server(
         raise OSError(f"cannot listen on {config.host}:{config.port}")
     await server.start()
     for name in ["", *service_names]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return RunningServer(server, health_servicer, port, service_names, config, on_stop)
 
 
@@ -108,6 +109,6 @@ async def serve_until(stop: asyncio.Event, servers: list[RunningServer]) -> None
     await stop.wait()
     log.info("signal received: draining")
     for running in servers:
-        running.health.enter_graceful_shutdown()
+        await running.health.enter_graceful_shutdown()
     for running in servers:
         await running.stop()

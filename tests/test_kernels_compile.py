@@ -34,7 +34,7 @@ BLOCK_V = 4096
 rejection_constants = dict(
     WEIGHT_SCALE=rejection_sample.WEIGHT_SCALE, UNIFORM_SCALE=rejection_sample.UNIFORM_SCALE,
     UNIFORM_BITS=rejection_sample.UNIFORM_BITS, UNIFORM_MASK=rejection_sample.UNIFORM_MASK,
-    NO_TOKEN=rejection_sample.NO_TOKEN, BLOCK_K=8, BLOCK_V=BLOCK_V,
+    NO_TOKEN=rejection_sample.NO_TOKEN, BLOCK_V=BLOCK_V,
 )
 cases = {
     "argmax_bf16": (greedy_verify._argmax_kernel,
@@ -51,12 +51,16 @@ cases = {
         dict(p_ptr="*fp32", q_ptr="*fp32", draft_tokens_ptr="*i64", num_draft_ptr="*i64",
              u_accept_ptr="*fp64", u_sample_ptr="*fp64", accepted_ptr="*i64",
              next_token_ptr="*i64", k="i32", V="i32"),
-        dict(HAS_Q=True, **rejection_constants)),
-    "rejection_one_hot": (rejection_sample._rejection_sample_kernel,
-        dict(p_ptr="*fp32", q_ptr="*fp32", draft_tokens_ptr="*i64", num_draft_ptr="*i64",
-             u_accept_ptr="*fp64", u_sample_ptr="*fp64", accepted_ptr="*i64",
-             next_token_ptr="*i64", k="i32", V="i32"),
-        dict(HAS_Q=False, **rejection_constants)),
+        dict(BLOCK_K=8, **rejection_constants)),
+    # The one-hot (coupled) path: these draws, then the "accept" kernel above.
+    "one_hot_draw_fp32": (rejection_sample._draw_kernel,
+        dict(p_ptr="*fp32", num_draft_ptr="*i64", u_sample_ptr="*fp64", drawn_ptr="*i64",
+             k="i32", V="i32"),
+        dict(rejection_constants)),
+    "one_hot_draw_bf16": (rejection_sample._draw_kernel,
+        dict(p_ptr="*bf16", num_draft_ptr="*i64", u_sample_ptr="*fp64", drawn_ptr="*i64",
+             k="i32", V="i32"),
+        dict(rejection_constants)),
     "warp_bf16": (warp._warp_kernel,
         dict(logits_ptr="*bf16", temperature_ptr="*fp32", top_k_ptr="*i64", top_p_ptr="*fp32",
              probs_ptr="*fp32", V="i32"),
@@ -89,7 +93,8 @@ def test_every_kernel_compiles_to_cubin_for_sm80_and_sm90(tmp_path: Path) -> Non
     assert result.returncode == 0, result.stderr[-4000:]
     sizes = json.loads(result.stdout.strip().splitlines()[-1])
     kernels = {
-        "argmax_bf16", "argmax_fp32", "accept", "rejection_q", "rejection_one_hot", "warp_bf16"
+        "argmax_bf16", "argmax_fp32", "accept", "rejection_q", "one_hot_draw_fp32",
+        "one_hot_draw_bf16", "warp_bf16",
     }
     assert set(sizes) == {f"{name}/sm_{arch}" for name in kernels for arch in ARCHITECTURES}
     empty = [name for name, size in sizes.items() if size <= 0]
@@ -112,6 +117,7 @@ probs = ops.warp_probs(
 )
 ops.rejection_sample(probs, None, next_token[:, None].expand(2, 2), torch.tensor([2, 0]),
                      torch.rand(2, 2), torch.rand(2, 3))
+ops.sampled_match(probs, next_token[:, None].expand(2, 2), torch.tensor([2, 0]), torch.rand(2, 3))
 kernel_modules = [m for m in sys.modules if m.startswith("target_worker.kernels.")
                   and not m.endswith(("_ref", ".ops"))]
 assert kernel_modules == [], kernel_modules

@@ -1,7 +1,8 @@
-"""Rejection sampling and its randomness: hand-built cases as exact tensors, the Triton kernel
+"""Rejection sampling and its randomness: hand-built cases as exact tensors, the Triton kernels
 (under TRITON_INTERPRET=1, set by conftest) choosing exactly the reference's tokens for the
-same uniforms on irregular shapes, and Philox4x32-10 against the Random123 known answers.
-(Distributional correctness is tests/test_rejection_stats.py.)"""
+same uniforms on irregular shapes, both with draft probabilities and for one-hot drafts (the
+coupled rule: the target's own draw at every position), and Philox4x32-10 against the
+Random123 known answers. (Distributional correctness is tests/test_rejection_stats.py.)"""
 
 from __future__ import annotations
 
@@ -18,7 +19,12 @@ from specdec.philox import (
     round_uniforms,
 )
 from target_worker.kernels import ops
-from target_worker.kernels.rejection_sample_ref import rejection_sample_ref
+from target_worker.kernels.rejection_sample_ref import (
+    probability_weights,
+    rejection_sample_ref,
+    sample_weights,
+)
+from target_worker.kernels.sampled_match_ref import sampled_match_ref
 
 triton_kernels = pytest.importorskip("target_worker.kernels.rejection_sample")
 rejection_sample_triton = triton_kernels.rejection_sample_triton
@@ -114,11 +120,25 @@ HAND_BUILT = {
     "ragged_bonus": (hand_built(P, P[:2], [1, 3], 1, [0.5, 0.0], [0.0, 0.6, 0.0]), 1, 2),
     # num_draft = 0: bonus from p_0, u = 0.05 -> token 0.
     "no_drafts": (hand_built(P, P[:2], [1, 3], 0, [0.0, 0.0], [0.05, 0.6, 0.0]), 0, 0),
-    # One-hot drafter: accepted with probability p_0(3) = 0.4 (u = 0.39 accepts) ...
-    "one_hot_accepts": (hand_built(P, None, [3, 2], 1, [0.39, 0.0], [0.0, 0.1, 0.0]), 1, 0),
-    # ... and rejected at u = 0.41; the residual is p_0 without token 3: [0.1, 0.2, 0.3] / 0.6,
-    # u = 0.2 -> cumulative 1/6, 1/2: token 1.
-    "one_hot_rejects": (hand_built(P, None, [3, 2], 1, [0.41, 0.0], [0.2, 0.0, 0.0]), 0, 1),
+    # One-hot drafter, the coupled rule: the target draws y_i from p_i with u_sample[i] and a
+    # draft is kept while it equals y_i. p_0 cumulative 0.1, 0.3, 0.6, 1.0: u = 0.65 draws 3,
+    # the draft: accepted; then the bonus from p_1 (uniform), u = 0.1 -> token 0. u_accept
+    # (0.99, which would reject under u < p_0(3) = 0.4) is not read.
+    "one_hot_accepts": (hand_built(P, None, [3, 2], 1, [0.99, 0.99], [0.65, 0.1, 0.0]), 1, 0),
+    # u = 0.2 draws 1, not the draft 3: rejected and the draw itself is emitted (u_accept = 0,
+    # which would accept under u < p_0(3), is not read).
+    "one_hot_rejects": (hand_built(P, None, [3, 2], 1, [0.0, 0.0], [0.2, 0.0, 0.0]), 0, 1),
+    # Both drafts equal the draws (u = 0.9 -> 3, u = 0.3 -> 1); the bonus from p_2 is token 2.
+    "one_hot_all_accepted_bonus": (
+        hand_built(P, None, [3, 1], 2, [0.0, 0.0], [0.9, 0.3, 0.5]), 2, 2),
+    # A draft with p = 0 never equals a draw: p_0 = one-hot on 2, draft 0 rejected, emits 2.
+    "one_hot_p_zero_rejects": (
+        hand_built([P[2], P[1], P[0]], None, [0, 1], 2, [0.0, 0.0], [0.0, 0.3, 0.0]), 0, 2),
+    # num_draft = 0: the draft equals the draw at position 0 (u = 0.05 -> 0) but is padding,
+    # so nothing is accepted and the draw is the bonus.
+    "one_hot_no_drafts": (hand_built(P, None, [0, 1], 0, [0.0, 0.0], [0.05, 0.3, 0.0]), 0, 0),
+    # An out-of-vocabulary draft (padding -1 inside num_draft) is simply rejected.
+    "one_hot_out_of_vocab": (hand_built(P, None, [-1, 1], 2, [0.0, 0.0], [0.9, 0.3, 0.0]), 0, 3),
 }
 
 
@@ -139,10 +159,13 @@ def test_hand_built(impl: str, case: str) -> None:
     [
         (1, 1, 1031, True, None),  # one tile
         (7, 8, 1031, True, 256),  # multi-tile, partial last tile
-        (7, 8, 1031, False, 128),
-        (7, 1, 1031, False, None),
         (7, 4, 49152, True, None),  # 12 tiles of 4096
-        (1, 8, 49152, False, None),
+        # One-hot drafts (a draw per position, then the accept step):
+        (1, 1, 1031, False, None),  # one tile
+        (7, 8, 1031, False, 128),  # multi-tile, partial last tile
+        (7, 1, 1031, False, None),
+        (1, 8, 49152, False, None),  # 12 tiles of 4096
+        (7, 8, 49152, False, 16384),
     ],
 )
 def test_kernel_matches_reference(
@@ -155,13 +178,17 @@ def test_kernel_matches_reference(
     assert torch.equal(got[1], expected[1]), (got[1], expected[1])
 
 
-def test_kernel_matches_reference_on_many_uniforms() -> None:
+@pytest.mark.parametrize("with_q", [True, False])
+def test_kernel_matches_reference_on_many_uniforms(with_q: bool) -> None:
     """Same p, q and drafts under 64 different uniform draws: acceptance lengths and residual
     draws all over the range, token for token."""
-    inputs = make_dummy(1, 3, 97, True, seed=11)
+    inputs = make_dummy(1, 3, 97, with_q, seed=11)
+    if not with_q:
+        inputs["draft_tokens"] = inputs["target_probs"][:, :3].argmax(dim=-1)  # the favourites
     batch = 64
     for name in ("target_probs", "draft_probs", "draft_tokens", "num_draft"):
-        inputs[name] = inputs[name].expand(batch, *inputs[name].shape[1:]).contiguous()
+        if inputs[name] is not None:
+            inputs[name] = inputs[name].expand(batch, *inputs[name].shape[1:]).contiguous()
     generator = torch.Generator().manual_seed(12)
     inputs["u_accept"] = torch.rand(batch, 3, generator=generator, dtype=torch.float64)
     inputs["u_sample"] = torch.rand(batch, 4, generator=generator, dtype=torch.float64)
@@ -171,6 +198,33 @@ def test_kernel_matches_reference_on_many_uniforms() -> None:
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
+def test_one_hot_kernel_emits_the_targets_own_draws() -> None:
+    """Coupling: every kept draft and the emitted token are what the target alone draws at
+    that position with the same uniform; u_accept plays no part."""
+    inputs = make_dummy(7, 8, 1031, with_q=False, seed=3)
+    accepted, next_token = rejection_sample_triton(**inputs, block_v=256)
+    inputs["u_accept"] = 1.0 - inputs["u_accept"]
+    assert torch.equal(rejection_sample_triton(**inputs, block_v=256)[1], next_token)
+    alone = sample_weights(  # [B, k + 1]: each position sampled by itself
+        probability_weights(inputs["target_probs"].reshape(7 * 9, 1031)),
+        inputs["u_sample"].reshape(-1),
+    ).reshape(7, 9)
+    rows = torch.arange(7)
+    assert torch.equal(next_token, alone[rows, accepted])
+    for position in range(8):
+        kept = accepted > position
+        assert torch.equal(inputs["draft_tokens"][kept, position], alone[kept, position])
+
+
+def test_one_hot_kernel_reads_bf16_and_fp16() -> None:
+    inputs = make_dummy(7, 3, 1031, with_q=False, seed=4)
+    for dtype in (torch.bfloat16, torch.float16):
+        inputs["target_probs"] = inputs["target_probs"].to(dtype)
+        expected = rejection_sample_ref(**inputs)
+        got = rejection_sample_triton(**inputs, block_v=512)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), dtype
+
+
 def test_ops_on_cpu_takes_the_reference_and_casts_inputs() -> None:
     inputs = make_dummy(7, 4, 1031, True, seed=5)
     expected = rejection_sample_ref(**inputs)
@@ -178,6 +232,14 @@ def test_ops_on_cpu_takes_the_reference_and_casts_inputs() -> None:
     inputs["num_draft"] = inputs["num_draft"].int()
     got = ops.rejection_sample(**inputs)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def test_ops_sampled_match_is_the_one_hot_path() -> None:
+    inputs = make_dummy(7, 4, 1031, False, seed=6)
+    expected = rejection_sample_ref(**inputs)
+    args = (inputs["target_probs"], inputs["draft_tokens"], inputs["num_draft"], inputs["u_sample"])
+    for got in (sampled_match_ref(*args), ops.sampled_match(*args)):
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
 # --- Philox4x32-10 ----------------------------------------------------------------------

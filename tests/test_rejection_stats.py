@@ -6,7 +6,10 @@ distributions q_0 .. q_2 that differ from p, including tokens with p = 0 < q and
 Each trial is one verify round on the torch reference with real random uniforms; all trials
 run as one big batch. The token at output position i (the draft x_i if accepted past i, the
 recovered / bonus token if the round stopped at i) must follow p_i among the trials that
-reached position i, and tokens with p_i = 0 must never appear there.
+reached position i, and tokens with p_i = 0 must never appear there. Drafts without
+probabilities (one-hot q) go through the coupled rule (the target's own draw at every
+position, drafts kept while they equal it), which must in addition emit exactly the tokens the
+target alone draws with the same uniforms.
 
 Power. Shifting one token a's probability by delta = 0.01 (the rest moving to keep the sum,
 proportionally, which is the least detectable way) gives the chi-square statistic a
@@ -26,6 +29,7 @@ import torch
 from scipy import stats
 
 from target_worker.kernels.rejection_sample_ref import (
+    accepted_length,
     probability_weights,
     rejection_sample_ref,
     sample_weights,
@@ -164,26 +168,9 @@ def test_emitted_tokens_follow_target_at_every_position(case: str) -> None:
     assert chi_square_failures(inputs, counts) == []
 
 
-def sampled_match_sampler(target_probs, draft_probs, draft_tokens, num_draft, u_accept, u_sample):
-    """The coupled one-hot rule the target worker runs for token-only drafts."""
-    assert draft_probs is None
-    return sampled_match_ref(target_probs, draft_tokens, num_draft, u_sample)
-
-
-@pytest.mark.parametrize("ragged", [False, True])
-def test_sampled_match_follows_target_at_every_position(ragged: bool) -> None:
-    inputs = make_trials(CASES["one_hot_ragged" if ragged else "one_hot"][2], True, ragged, seed=2025)
-    accepted, next_token = sampled_match_sampler(**inputs)
-    counts = emitted_counts(inputs, accepted, next_token)
-    for position, observed in enumerate(counts):
-        power = power_to_detect_shift(int(observed.sum()), target_at(inputs, position))
-        assert power >= MIN_POWER, f"position {position}: too few trials reach it ({power=:.3f})"
-    assert chi_square_failures(inputs, counts) == []
-
-
-def test_sampled_match_emits_what_target_alone_draws_with_the_same_uniforms() -> None:
+def test_one_hot_rule_emits_what_target_alone_draws_with_the_same_uniforms() -> None:
     inputs = make_trials(5000, one_hot=True, ragged=True, seed=11)
-    accepted, next_token = sampled_match_sampler(**inputs)
+    accepted, next_token = rejection_sample_ref(**inputs)
     alone = sample_weights(  # the target sampling each position by itself: [N, k + 1]
         probability_weights(inputs["target_probs"].reshape(-1, VOCAB)), inputs["u_sample"].reshape(-1)
     ).reshape(-1, K + 1)
@@ -192,13 +179,18 @@ def test_sampled_match_emits_what_target_alone_draws_with_the_same_uniforms() ->
     for position in range(K):
         kept = accepted > position
         assert torch.equal(inputs["draft_tokens"][kept, position], alone[kept, position])
+    assert len(set(accepted.tolist())) == K + 1  # every acceptance length occurs
+    # The serving name of the same rule.
+    same = sampled_match_ref(inputs["target_probs"], inputs["draft_tokens"], inputs["num_draft"],
+                             inputs["u_sample"])
+    assert torch.equal(same[0], accepted) and torch.equal(same[1], next_token)
 
 
 # --- the test has teeth: deliberately wrong samplers fail it -------------------------------
 
 
 def match_then_resample(target_probs, draft_probs, draft_tokens, num_draft, u_accept, u_sample):
-    """Wrong: accepts like sampled_match, but after a rejection draws again from p with a
+    """Wrong: accepts like the coupled rule, but after a rejection draws again from p with a
     fresh uniform (the draft token can then come back: too much mass on it)."""
     accepted, _ = sampled_match_ref(target_probs, draft_tokens, num_draft, u_sample)
     rows = torch.arange(len(accepted))
@@ -206,9 +198,40 @@ def match_then_resample(target_probs, draft_probs, draft_tokens, num_draft, u_ac
     return accepted, sample_weights(probability_weights(target_probs[rows, accepted]), fresh)
 
 
-def test_wrong_coupled_sampler_is_rejected() -> None:
+def uncoupled_acceptance(target_probs, draft_probs, draft_tokens, num_draft, u_accept, u_sample):
+    """Wrong: accepts x with probability p(x) on its own uniform (as the uncoupled rule does),
+    but then emits the target's draw y as if it were the residual, though y may be x again."""
+    batch, positions, vocab = target_probs.shape
+    rows = torch.arange(batch)
+    in_vocab = (draft_tokens >= 0) & (draft_tokens < vocab)  # [N, k]
+    p_draft = target_probs[:, :K].gather(2, draft_tokens.clamp(0, vocab - 1)[..., None]).squeeze(2)
+    keep = (u_accept < p_draft.double()) & in_vocab
+    accepted = accepted_length(keep, num_draft.clamp(0, K))
+    drawn = sample_weights(probability_weights(target_probs[rows, accepted]), u_sample[rows, accepted])
+    return accepted, drawn
+
+
+def lenient_coupled(target_probs, draft_probs, draft_tokens, num_draft, u_accept, u_sample):
+    """Subtly wrong: the coupled rule, but a draft with p > 0 that misses the draw is still kept
+    5% of the time (a "near miss" slack): ~1.2% of the mass at position 0 moves to drafted
+    tokens, and no token with p = 0 is emitted, so only the chi-square can see it."""
+    batch, positions, vocab = target_probs.shape
+    drawn = sample_weights(  # [N, k + 1]
+        probability_weights(target_probs.reshape(-1, vocab)), u_sample.reshape(-1)
+    ).reshape(batch, positions)
+    in_vocab = (draft_tokens >= 0) & (draft_tokens < vocab)  # [N, k]
+    p_draft = target_probs[:, :K].gather(2, draft_tokens.clamp(0, vocab - 1)[..., None]).squeeze(2)
+    slack = (u_accept < 0.05) & (p_draft > 0) & in_vocab  # [N, k]
+    accepted = accepted_length((draft_tokens == drawn[:, :K]) | slack, num_draft.clamp(0, K))
+    return accepted, drawn.gather(1, accepted[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize(
+    "wrong_sampler", [match_then_resample, uncoupled_acceptance, lenient_coupled]
+)
+def test_wrong_one_hot_samplers_are_rejected(wrong_sampler: Sampler) -> None:
     inputs = make_trials(CASES["one_hot"][2], one_hot=True, ragged=False, seed=2025)
-    accepted, next_token = match_then_resample(**inputs)
+    accepted, next_token = wrong_sampler(**inputs)
     assert chi_square_failures(inputs, emitted_counts(inputs, accepted, next_token)) != []
 
 

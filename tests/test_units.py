@@ -113,3 +113,36 @@ class TestStopMatcher:
     def test_no_stop_strings_holds_nothing_back(self):
         matcher = StopMatcher([])
         assert matcher.feed("abc") == "abc" and matcher.finish() == ""
+
+
+class TestAdaptiveK:
+    def test_full_blocks_keep_k_at_the_maximum(self):
+        from coordinator.adaptive import AdaptiveK
+
+        adaptive = AdaptiveK(k_max=4)
+        for _ in range(5):
+            assert adaptive.next_k() == 4
+            adaptive.update(4, 4)
+
+    def test_rejections_shrink_k_then_pause_with_probes(self):
+        from coordinator.adaptive import PROBE_EVERY, AdaptiveK
+
+        adaptive = AdaptiveK(k_max=4)
+        ks = []
+        for _ in range(20):
+            k = adaptive.next_k()
+            ks.append(k)
+            adaptive.update(k, 0)
+        assert ks[:3] == [4, 3, 2]
+        paused = ks[-PROBE_EVERY * 2:]
+        assert paused.count(0) == len(paused) - 2 and max(paused) == 1  # probes only
+
+    def test_acceptance_after_a_pause_resumes_drafting(self):
+        from coordinator.adaptive import AdaptiveK
+
+        adaptive = AdaptiveK(k_max=4, k=1, acceptance=0.0)
+        while adaptive.next_k() == 0:
+            pass
+        for _ in range(4):
+            adaptive.update(1, 1)
+        assert adaptive.next_k() >= 2 and adaptive.acceptance > 0.15

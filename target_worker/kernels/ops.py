@@ -17,7 +17,6 @@ import torch
 
 from target_worker.kernels.greedy_verify_ref import greedy_verify_ref
 from target_worker.kernels.rejection_sample_ref import rejection_sample_ref
-from target_worker.kernels.sampled_match_ref import sampled_match_ref
 from target_worker.kernels.warp_ref import warp_probs_ref
 
 try:
@@ -63,10 +62,13 @@ def rejection_sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling: (accepted [B] int64, next_token [B] int64).
 
-    Draft i is accepted while ``u_accept[:, i] * q_i(x_i) < p_i(x_i)``; at the first rejection
-    next_token is drawn from norm(max(0, p_i - q_i)) with ``u_sample[:, i]``, else the bonus
-    token is drawn from p at position num_draft with ``u_sample[:, num_draft]``. With
-    draft_probs None, q is a one-hot on the drafted token.
+    With draft_probs, draft i is accepted while ``u_accept[:, i] * q_i(x_i) < p_i(x_i)``; at
+    the first rejection next_token is drawn from norm(max(0, p_i - q_i)) with
+    ``u_sample[:, i]``, else the bonus token is drawn from p at position num_draft with
+    ``u_sample[:, num_draft]``. With draft_probs None (q a one-hot on the drafted token) the
+    coupled rule runs: the target draws its own token at every position with u_sample, drafts
+    are accepted while they equal those draws, and next_token is the draw at the first stop
+    (u_accept is not read; see rejection_sample.py for why both are exact).
 
     For DESIGN.md principle 2, column i of both uniforms belongs to the absolute position of
     output token i, as ``specdec.philox.round_uniforms(seeds, first_positions, k)`` builds them.
@@ -75,7 +77,7 @@ def rejection_sample(
     device = target_probs.device
     if draft_probs is not None:
         draft_probs = draft_probs.to(target_probs.dtype).contiguous()
-    draft_tokens = draft_tokens.to(torch.int64).contiguous()
+    draft_tokens = draft_tokens.to(device=device, dtype=torch.int64).contiguous()
     num_draft = num_draft.to(device=device, dtype=torch.int64).contiguous()
     u_accept = u_accept.to(device=device, dtype=torch.float64).contiguous()
     u_sample = u_sample.to(device=device, dtype=torch.float64).contiguous()
@@ -99,17 +101,15 @@ def sampled_match(
     """Sampling verification of drafts without probabilities: (accepted [B], next_token [B]).
 
     The target draws its own token at every position with u_sample; drafts are accepted
-    while they equal those draws (see sampled_match_ref for why this is exact and why the
-    output then equals target-only sampling token for token). Torch on every device: it is
-    one inverse-CDF draw per position, which the warp kernel's output feeds directly.
+    while they equal those draws, and next_token is the draw at the first stop. This is
+    rejection_sample's one-hot path (the Triton kernels on CUDA, the torch reference
+    otherwise); rejection_sample.py says why it is exact and why the output then equals
+    target-only sampling token for token.
     """
-    device = target_probs.device
-    return sampled_match_ref(
-        target_probs.contiguous(),
-        draft_tokens.to(device=device, dtype=torch.int64).contiguous(),
-        num_draft.to(device=device, dtype=torch.int64).contiguous(),
-        u_sample.to(device=device, dtype=torch.float64).contiguous(),
-    )
+    batch, positions, _ = target_probs.shape
+    # [B, k]: the one-hot rule reads no acceptance uniforms.
+    u_accept = torch.zeros(batch, positions - 1, dtype=torch.float64, device=target_probs.device)
+    return rejection_sample(target_probs, None, draft_tokens, num_draft, u_accept, u_sample)
 
 
 def warp_probs(

@@ -1,13 +1,13 @@
-"""Speculative (rejection) sampling in plain torch: the specification the Triton kernel in
-``rejection_sample.py`` is tested against (that module states the rule and cites the papers),
-and the path the target worker takes on CPU.
+"""Speculative (rejection) sampling in plain torch: the specification the Triton kernels in
+``rejection_sample.py`` are tested against (that module states both rules, says why they are
+exact and cites the papers), and the path the target worker takes on CPU.
 
 Exactness between kernel and reference. Both consume the caller's uniforms and must pick the
 same token, so no step may depend on the order of a floating-point sum:
 
-* acceptance compares ``u * q(x) < p(x)`` in float64 (one rounding, identical everywhere;
-  it is ``u < p / q`` without the division, and gives accept when q = 0 < p, reject when
-  p = 0);
+* acceptance with draft probabilities compares ``u * q(x) < p(x)`` in float64 (one rounding,
+  identical everywhere; it is ``u < p / q`` without the division, and gives accept when
+  q = 0 < p, reject when p = 0); acceptance of one-hot drafts compares token ids;
 * a distribution is sampled by inverse CDF over *integer* weights: each probability becomes
   ``floor(clamp(w, 0, 1) * 2**WEIGHT_BITS)`` (exact: a power-of-two scale of an fp32), sums
   and prefix sums are exact int64, and the uniform becomes a UNIFORM_BITS-bit integer, so
@@ -57,32 +57,28 @@ def rejection_sample_ref(
     draft_probs: torch.Tensor | None,  # [B, k, V] q, or None: one-hot on the drafted token
     draft_tokens: torch.Tensor,  # [B, k] int64, entries past num_draft are padding
     num_draft: torch.Tensor,  # [B] int64, clamped to [0, k]
-    u_accept: torch.Tensor,  # [B, k] float64 in [0, 1)
+    u_accept: torch.Tensor,  # [B, k] float64 in [0, 1), not read when draft_probs is None
     u_sample: torch.Tensor,  # [B, k + 1] float64 in [0, 1)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (accepted [B] int64, next_token [B] int64): the recovered token at the first
-    rejection, else the bonus token drawn from p at position num_draft."""
+    rejection, else the bonus token drawn from p at position num_draft. With draft_probs None
+    the coupled one-hot rule runs (match_target_draws)."""
     batch, positions, vocab = target_probs.shape
     k = positions - 1
     assert draft_tokens.shape == (batch, k) and num_draft.shape == (batch,)
     assert u_accept.shape == (batch, k) and u_sample.shape == (batch, positions)
-    device = target_probs.device
-    rows = torch.arange(batch, device=device)  # [B]
     num_draft = num_draft.clamp(0, k)
+    if draft_probs is None:
+        return match_target_draws(target_probs, draft_tokens, num_draft, u_sample)
+    rows = torch.arange(batch, device=target_probs.device)  # [B]
 
     # Acceptance: draft i is kept while u_i * q_i(x_i) < p_i(x_i).
     in_vocab = (draft_tokens >= 0) & (draft_tokens < vocab)  # [B, k]
     token_index = draft_tokens.clamp(0, vocab - 1)[..., None]  # [B, k, 1]
     p_draft = target_probs[:, :k].gather(2, token_index).squeeze(2).double()  # [B, k]
-    if draft_probs is None:
-        q_draft = torch.ones_like(p_draft)
-    else:
-        q_draft = draft_probs.gather(2, token_index).squeeze(2).double()  # [B, k]
+    q_draft = draft_probs.gather(2, token_index).squeeze(2).double()  # [B, k]
     accept = (u_accept.double() * q_draft < p_draft) & in_vocab  # [B, k]
-    draft_index = torch.arange(k, device=device)
-    stop = ~accept | (draft_index >= num_draft[:, None])  # [B, k]
-    stop = torch.cat((stop, stop.new_ones(batch, 1)), dim=1)  # [B, k + 1], sentinel after the last
-    accepted = stop.to(torch.int8).argmax(dim=1)  # [B], first stop
+    accepted = accepted_length(accept, num_draft)  # [B]
     rejected = accepted < num_draft  # [B]
 
     # The emitted token: from norm(max(0, p - q)) at a rejection, from p for the bonus.
@@ -90,16 +86,39 @@ def rejection_sample_ref(
     weights = p_weights
     if k > 0:
         at = accepted.clamp(max=k - 1)  # [B], only meaningful where rejected
-        if draft_probs is None:
-            # q is a one-hot on x: max(0, p - q) is p with x removed.
-            vocab_ids = torch.arange(vocab, device=device)
-            rejected_token = draft_tokens[rows, at]  # [B]
-            residual = p_weights.masked_fill(vocab_ids == rejected_token[:, None], 0)  # [B, V]
-        else:
-            q_weights = probability_weights(draft_probs[rows, at])  # [B, V]
-            residual = (p_weights - q_weights).clamp(min=0)  # [B, V]
+        q_weights = probability_weights(draft_probs[rows, at])  # [B, V]
+        residual = (p_weights - q_weights).clamp(min=0)  # [B, V]
         # p == q leaves no residual; a rejection is then a rounding artefact and p is right.
         use_residual = rejected & (residual.sum(dim=-1) > 0)  # [B]
         weights = torch.where(use_residual[:, None], residual, p_weights)
     next_token = sample_weights(weights, u_sample.gather(1, accepted[:, None]).squeeze(1))
     return accepted, next_token
+
+
+def match_target_draws(
+    target_probs: torch.Tensor,  # [B, k + 1, V] p, already warped
+    draft_tokens: torch.Tensor,  # [B, k] int64, entries past num_draft are padding
+    num_draft: torch.Tensor,  # [B] int64 in [0, k]
+    u_sample: torch.Tensor,  # [B, k + 1] float64 in [0, 1)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The coupled rule for one-hot drafts: the target draws y_i from p_i with u_sample[:, i]
+    at every position, drafts are kept while x_i == y_i, and y at the first stop is emitted.
+    Returns (accepted [B] int64, next_token [B] int64)."""
+    batch, positions, vocab = target_probs.shape
+    weights = probability_weights(target_probs.reshape(batch * positions, vocab))  # [B * (k + 1), V]
+    drawn = sample_weights(weights, u_sample.reshape(-1)).reshape(batch, positions)  # [B, k + 1]
+    accepted = accepted_length(draft_tokens == drawn[:, :-1], num_draft)  # [B]
+    next_token = drawn.gather(1, accepted[:, None]).squeeze(1)  # [B]
+    return accepted, next_token
+
+
+def accepted_length(
+    keep: torch.Tensor,  # [B, k] bool, draft i passes its test
+    num_draft: torch.Tensor,  # [B] int64 in [0, k]
+) -> torch.Tensor:
+    """[B] int64: the length of the prefix of kept drafts, at most num_draft."""
+    batch, k = keep.shape
+    draft_index = torch.arange(k, device=keep.device)  # [k]
+    stop = ~keep | (draft_index >= num_draft[:, None])  # [B, k]
+    stop = torch.cat((stop, stop.new_ones(batch, 1)), dim=1)  # [B, k + 1], sentinel after the last
+    return stop.to(torch.int8).argmax(dim=1)  # [B], first stop
