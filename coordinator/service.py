@@ -10,10 +10,11 @@ import grpc
 
 from coordinator.rounds import RoundRunner
 from coordinator.validation import plan_request, render_prompt
+from coordinator.pool import resolve_dns
 from coordinator.workers import DraftClient, TargetClient
 from specdec import metrics
 from specdec.config import CoordinatorConfig
-from specdec.errors import SpecdecError
+from specdec.errors import SpecdecError, Unavailable
 from specdec.models import load_tokenizer, vocab_hash
 from specdec.serving import RunningServer, start_server
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 WORKER_STARTUP_TIMEOUT_S = 600.0
+DRAFT_STARTUP_TIMEOUT_S = 30.0
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -61,19 +63,35 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             metrics.REQUESTS.labels(status).inc()
 
 
-async def connect(config: CoordinatorConfig, tokenizer=None,
-                  startup_timeout_s: float = WORKER_STARTUP_TIMEOUT_S) -> CoordinatorServicer:
-    """Waits for the workers, refuses to start (FailedPrecondition) when draft, target and
-    the coordinator's tokenizer disagree, and builds the servicer."""
+async def connect(config: CoordinatorConfig, tokenizer=None, startup_timeout_s: float = WORKER_STARTUP_TIMEOUT_S,
+                  draft_startup_timeout_s: float = DRAFT_STARTUP_TIMEOUT_S, resolver=resolve_dns) -> CoordinatorServicer:
+    """Waits for a target replica, refuses to start (FailedPrecondition) when the draft's,
+    the target's and the coordinator's tokenizers disagree, and builds the servicer. A
+    draft that does not answer within draft_startup_timeout_s is not waited for: requests
+    decode with the target alone until a draft replica appears (and passes the same check)."""
     tokenizer = tokenizer or await asyncio.to_thread(load_tokenizer, config.tokenizer)
     client_args = dict(timeout_s=config.worker_timeout_s, retries=config.worker_retries,
-                       backoff_s=config.retry_backoff_s, max_message_bytes=config.server.max_message_bytes)
+                       backoff_s=config.retry_backoff_s, max_message_bytes=config.server.max_message_bytes,
+                       resolve_interval_s=config.resolve_interval_s, health_interval_s=config.health_interval_s,
+                       resolver=resolver)
     target = TargetClient(config.target_addr, **client_args)
     draft = DraftClient(config.draft_addr, **client_args) if config.draft_addr else None
     try:
         target_info = await target.info(startup_timeout_s)
-        draft_info = await draft.info(startup_timeout_s) if draft else None
+        draft_info = None
+        if draft is not None:
+            try:
+                draft_info = await draft.info(draft_startup_timeout_s)
+            except Unavailable as exc:
+                log.warning("%s; starting without speculation until a draft replica appears", exc)
         check_compatible(target_info, draft_info, len(tokenizer), vocab_hash(tokenizer))
+        target.accepted_vocab_hashes = {target_info.vocab_hash}
+        if draft is not None:
+            # A model draft must share the target's vocabulary; the n-gram drafter has none.
+            draft.accepted_vocab_hashes = {target_info.vocab_hash, ""}
+        for client in (target, draft):
+            if client is not None:
+                await client.start()
     except BaseException:
         for client in (target, draft):
             if client is not None:

@@ -1,6 +1,11 @@
 """gRPC clients of the draft and target workers, with the delta protocol's coordinator
 side: send what a worker lacks, resend from what it holds when it asks (restart, eviction,
-another replica), retry transient failures with back-off."""
+another replica), and move a session to another replica when its own fails.
+
+Bounds, so nothing hangs: a call waits at most `timeout_s`; a round tries at most
+`retries + 1` times, sleeping `backoff_s`, 2·backoff_s, … in between (default 0.2 s doubling
+over 5 retries: ~6 s of back-off) and then fails UNAVAILABLE. The draft side is impatient by
+design: if no draft replica can answer at once, the round goes on with the target alone."""
 
 from __future__ import annotations
 
@@ -10,15 +15,19 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from coordinator.pool import Replica, WorkerPool, resolve_dns
 from specdec.errors import Unavailable
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# CANCELLED reaches the coordinator as an error only when the *worker* cancelled the call
+# (it was stopped mid-call); the coordinator's own cancellations surface as CancelledError.
+TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 # A worker asking for a resync twice in a row for the same call is broken, not restarted.
 MAX_RESYNCS_PER_CALL = 2
 RELEASE_TIMEOUT_S = 2.0
+INFO_TIMEOUT_S = 2.0
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -33,95 +42,165 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 @dataclass
 class WorkerSession:
-    """The coordinator's view of one session on one worker."""
+    """The coordinator's view of one session on one worker kind."""
 
     session_id: str
     # Committed tokens the worker was last sent (it holds them unless it lost the session).
     sent: int = 0
+    # Address of the replica holding the session's cache; every replica it has used.
+    replica: str | None = None
+    used: set[str] = field(default_factory=set)
     resyncs: int = 0
+    moves: int = 0
     wire_bytes: int = 0
-    seconds: float = field(default=0.0)
+    seconds: float = 0.0
 
 
 class WorkerClient:
-    def __init__(self, name: str, address: str, timeout_s: float, retries: int, backoff_s: float,
-                 max_message_bytes: int):
-        self.name = name
-        self.address = address
+    kind = ""
+    service_name = ""
+    # Whether a round waits (with back-off) for a replica when none can answer.
+    patient = True
+
+    def __init__(self, endpoints: str, timeout_s: float, retries: int, backoff_s: float, max_message_bytes: int,
+                 resolve_interval_s: float = 5.0, health_interval_s: float = 1.0, resolver=resolve_dns):
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
-        self.channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        # Vocabulary hashes a replica may serve; None: not known yet (admit anything).
+        self.accepted_vocab_hashes: set[str] | None = None
+        self.pool = WorkerPool(self.kind, endpoints, self.service_name, channel_options(max_message_bytes),
+                               resolve_interval_s, health_interval_s, resolver, admit=self._admit)
+        self._stubs: dict[str, object] = {}
+
+    def _make_stub(self, channel):
+        raise NotImplementedError
+
+    def stub(self, replica: Replica):
+        stub = self._stubs.get(replica.address)
+        if stub is None or stub[0] is not replica.channel:
+            stub = self._stubs[replica.address] = (replica.channel, self._make_stub(replica.channel))
+        return stub[1]
+
+    async def start(self) -> None:
+        await self.pool.start()
 
     async def close(self) -> None:
-        await self.channel.close()
+        await self.pool.close()
+
+    async def _admit(self, replica: Replica) -> bool:
+        """A replica joins only if it serves the tokenizer the coordinator checked at start."""
+        if self.accepted_vocab_hashes is None:
+            return True
+        info = await self.stub(replica).GetInfo(common_pb2.WorkerInfoRequest(), timeout=INFO_TIMEOUT_S)
+        return info.vocab_hash in self.accepted_vocab_hashes
 
     async def info(self, timeout_s: float) -> common_pb2.WorkerInfo:
-        """Waits up to timeout_s for the worker to come up (models take a while to load)."""
-        return await self._stub.GetInfo(common_pb2.WorkerInfoRequest(), timeout=timeout_s, wait_for_ready=True)
+        """Waits up to timeout_s for any replica to answer (models take a while to load)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            if not self.pool.replicas:
+                await self.pool.resolve()
+            for replica in list(self.pool.replicas.values()):
+                try:
+                    info = await self.stub(replica).GetInfo(common_pb2.WorkerInfoRequest(), wait_for_ready=True,
+                                                            timeout=max(0.1, min(INFO_TIMEOUT_S, deadline - loop.time())))
+                except grpc.aio.AioRpcError:
+                    continue
+                return info
+            if loop.time() >= deadline:
+                raise Unavailable(f"no {self.kind} worker at {self.pool.endpoints} answered within {timeout_s:g} s")
+            await asyncio.sleep(0.5)
 
     async def release(self, session: WorkerSession) -> None:
-        try:
-            await self._stub.Release(common_pb2.ReleaseRequest(session_id=session.session_id),
-                                     timeout=RELEASE_TIMEOUT_S)
-        except grpc.aio.AioRpcError as exc:  # the worker evicts it anyway, sooner or later
-            log.info("release of %s on %s failed: %s", session.session_id, self.name, exc.code().name)
+        for address in session.used:
+            replica = self.pool.replicas.get(address)
+            if replica is None:
+                continue
+            try:
+                await self.stub(replica).Release(common_pb2.ReleaseRequest(session_id=session.session_id),
+                                                 timeout=RELEASE_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:  # the worker evicts it anyway, sooner or later
+                log.info("release of %s on %s failed: %s", session.session_id, address, exc.code().name)
+        self.pool.forget(session.session_id)
 
-    async def _round(self, session: WorkerSession, committed: list[int], make_request, rpc):
-        """One round's call: a delta from what the worker holds, resending on request and
-        retrying transient failures. Returns the response's result message."""
+    async def _replica(self, session: WorkerSession, attempt: int) -> Replica | None:
+        replica = self.pool.replica_for(session.session_id, session.replica)
+        if replica is None and self.patient:
+            await self.pool.check_health()  # a restarted replica may be back already
+            replica = self.pool.replica_for(session.session_id, session.replica)
+        if replica is not None and replica.address != session.replica:
+            if session.replica is not None:
+                session.moves += 1
+                log.info("%s session %s moves %s -> %s", self.kind, session.session_id, session.replica,
+                         replica.address)
+            session.replica = replica.address
+            session.used.add(replica.address)
+        return replica
+
+    async def _round(self, session: WorkerSession, committed: list[int], make_request, method: str):
+        """One round's call: a delta from what the worker holds, resending on request,
+        moving to another replica and retrying on transient failures (bounded)."""
         loop = asyncio.get_running_loop()
         began = loop.time()
         attempt = resyncs = 0
         start = min(session.sent, len(committed) - 1)
+        last_error = "no replica is healthy"
         while True:
-            delta = common_pb2.SessionDelta(session_id=session.session_id, start=start, tokens=committed[start:])
-            request = make_request(delta)
-            try:
-                response = await rpc(request, timeout=self.timeout_s)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() not in TRANSIENT or attempt >= self.retries:
-                    if exc.code() in TRANSIENT:
-                        raise Unavailable(f"{self.name} worker at {self.address}: {exc.code().name}: "
-                                          f"{exc.details()} (after {attempt + 1} attempts)") from exc
-                    raise
-                await asyncio.sleep(self.backoff_s * (2 ** attempt))
-                attempt += 1
-                continue
-            session.wire_bytes += request.ByteSize() + response.ByteSize()
-            kind = response.WhichOneof("result")
-            if kind == "resync":
-                resyncs += 1
-                session.resyncs += 1
-                if resyncs > MAX_RESYNCS_PER_CALL:
-                    raise Unavailable(f"{self.name} worker at {self.address} keeps losing session state")
-                start = min(response.resync.cached_len, len(committed) - 1)
-                continue
-            session.sent = len(committed)
-            session.seconds += loop.time() - began
-            return getattr(response, kind)
+            replica = await self._replica(session, attempt)
+            if replica is not None:
+                delta = common_pb2.SessionDelta(session_id=session.session_id, start=start, tokens=committed[start:])
+                request = make_request(delta)
+                try:
+                    response = await getattr(self.stub(replica), method)(request, timeout=self.timeout_s)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() not in TRANSIENT:
+                        raise
+                    last_error = f"{replica.address}: {exc.code().name}: {exc.details()}"
+                    self.pool.mark_failed(replica.address)
+                else:
+                    session.wire_bytes += request.ByteSize() + response.ByteSize()
+                    kind = response.WhichOneof("result")
+                    if kind == "resync":
+                        resyncs += 1
+                        session.resyncs += 1
+                        if resyncs > MAX_RESYNCS_PER_CALL:
+                            raise Unavailable(f"{self.kind} worker {replica.address} keeps losing session state")
+                        start = min(response.resync.cached_len, len(committed) - 1)
+                        continue
+                    session.sent = len(committed)
+                    session.seconds += loop.time() - began
+                    return getattr(response, kind)
+            if attempt >= (self.retries if self.patient else 1) or (replica is None and not self.patient):
+                raise Unavailable(f"{self.kind} workers unavailable after {attempt + 1} attempts ({last_error})")
+            await asyncio.sleep(self.backoff_s * (2 ** attempt))
+            attempt += 1
 
 
 class DraftClient(WorkerClient):
-    def __init__(self, address: str, **kwargs):
-        super().__init__("draft", address, **kwargs)
-        self._stub = draft_pb2_grpc.DraftWorkerStub(self.channel)
+    kind = "draft"
+    service_name = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
+    patient = False  # the target alone is always a correct fallback
+
+    def _make_stub(self, channel):
+        return draft_pb2_grpc.DraftWorkerStub(channel)
 
     async def propose(self, session: WorkerSession, committed: list[int], k: int) -> draft_pb2.DraftBlock:
-        return await self._round(
-            session, committed, lambda delta: draft_pb2.ProposeRequest(delta=delta, k=k), self._stub.Propose
-        )
+        return await self._round(session, committed, lambda delta: draft_pb2.ProposeRequest(delta=delta, k=k),
+                                 "Propose")
 
 
 class TargetClient(WorkerClient):
-    def __init__(self, address: str, **kwargs):
-        super().__init__("target", address, **kwargs)
-        self._stub = target_pb2_grpc.TargetWorkerStub(self.channel)
+    kind = "target"
+    service_name = target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
+
+    def _make_stub(self, channel):
+        return target_pb2_grpc.TargetWorkerStub(channel)
 
     async def verify(self, session: WorkerSession, committed: list[int], drafts: list[int],
                      sampling: common_pb2.SamplingParams | None = None) -> target_pb2.Verdict:
         return await self._round(
             session, committed,
-            lambda delta: target_pb2.VerifyRequest(delta=delta, draft_tokens=drafts, sampling=sampling),
-            self._stub.Verify,
+            lambda delta: target_pb2.VerifyRequest(delta=delta, draft_tokens=drafts, sampling=sampling), "Verify",
         )

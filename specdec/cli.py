@@ -80,9 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator = kinds.add_parser("coordinator", help="client-facing coordinator")
     _add_server_flags(coordinator, DEFAULT_COORDINATOR_PORT)
     coordinator.add_argument("--target-addr", default=_env("SPECDEC_TARGET_ADDR", f"127.0.0.1:{DEFAULT_TARGET_PORT}"),
-                             help="target worker host:port [SPECDEC_TARGET_ADDR]")
+                             help="target worker endpoints: host:port[,host:port...]; a host may be a DNS name "
+                                  "resolving to many replicas (re-resolved) [SPECDEC_TARGET_ADDR]")
     coordinator.add_argument("--draft-addr", default=_env("SPECDEC_DRAFT_ADDR", f"127.0.0.1:{DEFAULT_DRAFT_PORT}"),
-                             help="draft worker host:port, or 'none' [SPECDEC_DRAFT_ADDR]")
+                             help="draft worker endpoints, the same way, or 'none' [SPECDEC_DRAFT_ADDR]")
     coordinator.add_argument("--tokenizer", default=_env("SPECDEC_TOKENIZER", DEFAULT_TARGET),
                              help="model spec whose tokenizer to use: the target's [SPECDEC_TOKENIZER]")
     coordinator.add_argument("--k", type=int, default=DEFAULT_K, help="default speculative tokens per round")

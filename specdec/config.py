@@ -51,9 +51,10 @@ class CoordinatorConfig:
     """The client-facing coordinator."""
 
     target_addr: str
-    """host:port of the target worker."""
+    """Target worker endpoints: comma-separated host:port, a host may be a DNS name that
+    resolves to many replicas (a headless Service)."""
     draft_addr: str | None
-    """host:port of the draft worker; None: target-only decoding."""
+    """Draft worker endpoints, the same way; None: target-only decoding."""
     tokenizer: str
     """Model spec whose tokenizer renders prompts and detokenizes (the target's)."""
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -73,3 +74,7 @@ class CoordinatorConfig:
     """Attempts at a round's worker call before the request fails UNAVAILABLE."""
     retry_backoff_s: float = 0.2
     """First back-off between attempts; doubles each time."""
+    resolve_interval_s: float = 5.0
+    """How often endpoint names are re-resolved, so replicas that come and go are seen."""
+    health_interval_s: float = 1.0
+    """How often every replica's health service is polled."""

@@ -18,23 +18,23 @@ from target_worker import service as target_service
 LOOPBACK = "127.0.0.1"
 
 
-def worker_config(name: str, port: int = 0) -> WorkerConfig:
-    return WorkerConfig(model=name, server=ServerConfig(host=LOOPBACK, port=port, grace_period_s=1.0))
+def worker_config(name: str, port: int = 0, host: str = LOOPBACK) -> WorkerConfig:
+    return WorkerConfig(model=name, server=ServerConfig(host=host, port=port, grace_period_s=1.0))
 
 
-async def start_target(model, tokenizer, port: int = 0):
-    config = worker_config("tiny-target", port)
+async def start_target(model, tokenizer, port: int = 0, host: str = LOOPBACK):
+    config = worker_config("tiny-target", port, host)
     servicer = target_service.build_servicer(config, model, tokenizer)
     return await target_service.serve(config, servicer), servicer
 
 
-async def start_draft(draft, tokenizer=None, port: int = 0):
+async def start_draft(draft, tokenizer=None, port: int = 0, host: str = LOOPBACK):
     """draft: a model, or "ngram"."""
     if draft == NGRAM:
-        config = worker_config(NGRAM, port)
+        config = worker_config(NGRAM, port, host)
         servicer = draft_service.build_servicer(config)
     else:
-        config = worker_config("tiny-draft", port)
+        config = worker_config("tiny-draft", port, host)
         servicer = draft_service.build_servicer(config, draft, tokenizer)
     return await draft_service.serve(config, servicer), servicer
 
@@ -97,6 +97,57 @@ async def running_stack(target_model, tokenizer, draft=None, draft_tokenizer=Non
         for server in (stack.draft, stack.target):
             if server is not None:
                 await server.stop(grace=0)
+
+
+@dataclass
+class Cluster:
+    """Several replicas of each worker kind behind one coordinator."""
+
+    coordinator: object
+    servicer: object
+    targets: list  # [(RunningServer, servicer)]
+    drafts: list
+
+    @property
+    def address(self) -> str:
+        return self.coordinator.address
+
+
+@contextlib.asynccontextmanager
+async def running_cluster(target_model, tokenizer, draft, hosts: list[str], resolver=None,
+                          target_spec: str | None = None, **coordinator_options):
+    """One target and one draft replica on each loopback host (127.0.0.2, 127.0.0.3, ...),
+    and a coordinator given every replica (or `target_spec`, e.g. a name for `resolver`)."""
+    targets, drafts = [], []
+    try:
+        for host in hosts:
+            targets.append(await start_target(target_model, tokenizer, host=host))
+            drafts.append(await start_draft(draft, tokenizer, host=host))
+        config = CoordinatorConfig(
+            target_addr=target_spec or ",".join(t[0].address for t in targets),
+            draft_addr=",".join(d[0].address for d in drafts),
+            tokenizer="unused: given in memory", server=ServerConfig(host=LOOPBACK, port=0, grace_period_s=1.0),
+            worker_timeout_s=30.0, retry_backoff_s=0.05, health_interval_s=0.2, resolve_interval_s=0.2,
+            **coordinator_options,
+        )
+        extra = {} if resolver is None else {"resolver": resolver}
+        servicer = await coordinator_service.connect(config, tokenizer=tokenizer, startup_timeout_s=10.0,
+                                                     draft_startup_timeout_s=5.0, **extra)
+        coordinator = await coordinator_service.serve(config, servicer)
+    except BaseException:
+        for server, _ in targets + drafts:
+            await server.stop(grace=0)
+        raise
+    cluster = Cluster(coordinator, servicer, targets, drafts)
+    try:
+        yield cluster
+    finally:
+        await coordinator.stop(grace=0)
+        await servicer.runner.drain()
+        await servicer.runner.target.close()
+        await servicer.runner.draft.close()
+        for server, _ in cluster.targets + cluster.drafts:
+            await server.stop(grace=0)
 
 
 def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids=None) -> list[int]:

@@ -59,11 +59,14 @@ def start_up(*args: str) -> tuple[subprocess.Popen, list[str]]:
     raise AssertionError(f"specdec up did not start: {lines} {proc.stderr.read()}")
 
 
+METRICS_PORT = free_port()
+
+
 @pytest.fixture(scope="module")
 def up(model_dirs):
     port = free_port()
     proc, lines = start_up("--port", str(port), "--target", str(model_dirs["target"]),
-                           "--draft", str(model_dirs["draft"]), "--k", "3")
+                           "--draft", str(model_dirs["draft"]), "--k", "3", "--metrics-port", str(METRICS_PORT))
     yield port, proc, lines
     if proc.poll() is None:
         proc.kill()
@@ -126,3 +129,18 @@ def test_sigterm_stops_up_cleanly(model_dirs):
                        "--grace-period", "2")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
+
+
+def test_metrics_endpoint_serves_the_autoscaling_metrics(up):
+    import re
+    import urllib.request
+
+    port, _, _ = up
+    result = specdec("generate", "--addr", f"127.0.0.1:{port}", "--max-new-tokens", "5", "--raw", "--json", "count")
+    assert result.returncode == 0, result.stderr
+    body = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).read().decode()
+    for name in ("specdec_worker_inflight_requests", "specdec_worker_request_seconds_bucket",
+                 "specdec_coordinator_active_requests", "specdec_accepted_length_bucket"):
+        assert name in body, name
+    generated = float(re.search(r"^specdec_generated_tokens_total (\S+)$", body, re.M).group(1))
+    assert generated >= 5
