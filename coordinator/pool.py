@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specdec.tls import ClientTLS, channel
+
 log = logging.getLogger(__name__)
 
 HEALTH_CHECK_TIMEOUT_S = 2.0
@@ -75,7 +77,7 @@ class WorkerPool:
     def __init__(self, kind: str, spec: str, service_name: str, channel_options: list,
                  resolve_interval_s: float = 5.0, health_interval_s: float = 1.0,
                  resolver: Resolver = resolve_dns,
-                 admit: Callable[[Replica], Awaitable[bool]] | None = None):
+                 admit: Callable[[Replica], Awaitable[bool]] | None = None, tls: ClientTLS | None = None):
         self.kind = kind
         self.endpoints = parse_endpoints(spec)
         self.service_name = service_name
@@ -83,6 +85,7 @@ class WorkerPool:
         self.resolve_interval_s = resolve_interval_s
         self.health_interval_s = health_interval_s
         self.resolver = resolver
+        self.tls = tls
         # Checks a new replica before it gets rounds (e.g. that it shares the tokenizer).
         self.admit = admit
         self.replicas: dict[str, Replica] = {}
@@ -102,8 +105,7 @@ class WorkerPool:
         for address in seen:
             if address not in self.replicas:
                 log.info("%s replica %s added", self.kind, address)
-                channel = grpc.aio.insecure_channel(address, options=self.channel_options)
-                self.replicas[address] = Replica(address, channel)
+                self.replicas[address] = Replica(address, channel(address, self.tls, self.channel_options))
                 self.changed.set()
         for address in [a for a in self.replicas if a not in seen]:
             log.info("%s replica %s removed (no longer resolves)", self.kind, address)

@@ -85,9 +85,9 @@ class RoundRunner:
 
     async def run(self, plan: GenerationPlan) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         """Yields one response per round with new tokens; the last carries finish and stats."""
-        base = f"{plan.request_id}-{uuid.uuid4().hex[:8]}"
-        target_session = WorkerSession(f"{base}/target")
-        draft_session = WorkerSession(f"{base}/draft")
+        base = uuid.uuid4().hex
+        target_session = WorkerSession(f"{base}/target", request_id=plan.request_id)
+        draft_session = WorkerSession(f"{base}/draft", request_id=plan.request_id)
         sessions = [target_session, draft_session]
         stats = Stats()
         committed = list(plan.prompt_ids)
@@ -115,6 +115,7 @@ class RoundRunner:
                 metrics.PROPOSED.inc(len(drafts))
                 metrics.ACCEPTED.inc(verdict.accepted)
                 metrics.ACCEPTED_LENGTH.observe(verdict.accepted + 1)
+                metrics.observe_round(len(drafts), verdict.accepted)
                 metrics.GENERATED_TOKENS.inc(len(new))
                 if stats.rounds == 1:
                     metrics.TTFT.observe(stats.first_token_at - stats.started)

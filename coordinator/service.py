@@ -9,12 +9,13 @@ import logging
 import grpc
 
 from coordinator.rounds import RoundRunner
-from coordinator.validation import plan_request, render_prompt
+from coordinator.validation import plan_request, render_prompt, request_id_of
 from coordinator.pool import resolve_dns
 from coordinator.workers import DraftClient, TargetClient
-from specdec import metrics
+from specdec import logs, metrics
+from specdec.auth import AuthInterceptor, TokenSet, client_identity
 from specdec.config import CoordinatorConfig
-from specdec.errors import SpecdecError, Unavailable
+from specdec.errors import ResourceExhausted, SpecdecError, Unavailable
 from specdec.models import load_tokenizer, vocab_hash
 from specdec.serving import RunningServer, start_server
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -23,6 +24,7 @@ from specdec.worker_info import check_compatible
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+RETRY_AFTER_S = 1
 WORKER_STARTUP_TIMEOUT_S = 600.0
 DRAFT_STARTUP_TIMEOUT_S = 30.0
 
@@ -36,15 +38,47 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.eos_ids = eos_ids
         self.max_context = max_context
         self.vocab_size = vocab_size
+        self.active = 0
+        self.per_client: dict[str, int] = {}
+
+    def _admit(self, client: str, context: grpc.aio.ServicerContext) -> None:
+        """Backpressure: refuse (RESOURCE_EXHAUSTED, with a retry hint) beyond the limits."""
+        if self.active >= self.config.max_concurrent_requests:
+            limit = f"the coordinator serves {self.config.max_concurrent_requests} requests at once"
+        elif self.per_client.get(client, 0) >= self.config.max_streams_per_client:
+            limit = f"this client already holds {self.config.max_streams_per_client} streams"
+        else:
+            self.active += 1
+            self.per_client[client] = self.per_client.get(client, 0) + 1
+            return
+        context.set_trailing_metadata((("retry-after-s", str(RETRY_AFTER_S)),))
+        metrics.REQUESTS.labels("RESOURCE_EXHAUSTED").inc()
+        raise ResourceExhausted(f"{limit}; retry in {RETRY_AFTER_S} s")
+
+    def _leave(self, client: str) -> None:
+        self.active -= 1
+        self.per_client[client] -= 1
+        if not self.per_client[client]:
+            del self.per_client[client]
 
     async def Generate(self, request: coordinator_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
+        client = client_identity(context)
+        self._admit(client, context)
         metrics.COORDINATOR_ACTIVE.inc()
         status = "OK"
         try:
+            request_id = request_id_of(request, logs.metadata_request_id(context.invocation_metadata()))
+            logs.request_id.set(request_id)
             prompt_ids = await asyncio.to_thread(render_prompt, request, self.tokenizer, self.vocab_size)
-            plan = plan_request(request, prompt_ids, self.config, self.eos_ids, self.max_context)
+            plan = plan_request(request, prompt_ids, self.config, self.eos_ids, self.max_context, request_id)
+            log.info("request admitted: %d prompt tokens, max_new_tokens %d, k %d, %s", len(prompt_ids),
+                     plan.max_new_tokens, plan.k, "greedy" if plan.sampling.greedy else "sampling")
             async for response in self.runner.run(plan):
+                if response.finish_reason:
+                    log.info("request finished: %s, %d tokens, %d rounds, acceptance %.2f",
+                             coordinator_pb2.FinishReason.Name(response.finish_reason),
+                             response.stats.generated_tokens, response.stats.rounds, response.stats.acceptance_rate)
                 yield response
         except SpecdecError as exc:
             status = exc.code.name
@@ -59,6 +93,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             status = "INTERNAL"
             raise
         finally:
+            self._leave(client)
             metrics.COORDINATOR_ACTIVE.dec()
             metrics.REQUESTS.labels(status).inc()
 
@@ -73,7 +108,7 @@ async def connect(config: CoordinatorConfig, tokenizer=None, startup_timeout_s: 
     client_args = dict(timeout_s=config.worker_timeout_s, retries=config.worker_retries,
                        backoff_s=config.retry_backoff_s, max_message_bytes=config.server.max_message_bytes,
                        resolve_interval_s=config.resolve_interval_s, health_interval_s=config.health_interval_s,
-                       resolver=resolver)
+                       resolver=resolver, tls=config.worker_tls)
     target = TargetClient(config.target_addr, **client_args)
     draft = DraftClient(config.draft_addr, **client_args) if config.draft_addr else None
     try:
@@ -106,8 +141,12 @@ async def connect(config: CoordinatorConfig, tokenizer=None, startup_timeout_s: 
 
 async def serve(config: CoordinatorConfig, servicer: CoordinatorServicer | None = None) -> RunningServer:
     servicer = servicer or await connect(config)
+    tokens = TokenSet(config.auth_token_file, config.auth_tokens_env)
+    if not tokens.enabled:
+        log.warning("no --auth-token-file / SPECDEC_AUTH_TOKENS: the client API accepts every caller")
     return await start_server(
         config.server,
         lambda server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server),
         [SERVICE_NAME],
+        interceptors=[AuthInterceptor(tokens)] if tokens.enabled else None,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 
 from coordinator.rounds import GenerationPlan
@@ -12,6 +13,8 @@ from specdec.v1 import coordinator_pb2
 
 CHAT_ROLES = {"system", "user", "assistant"}
 MAX_REQUEST_ID_CHARS = 64
+# Request ids travel in gRPC metadata and logs: printable ASCII without spaces only.
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:/-]{1,%d}" % MAX_REQUEST_ID_CHARS)
 
 
 def render_prompt(request: coordinator_pb2.GenerateRequest, tokenizer, vocab_size: int) -> list[int]:
@@ -47,8 +50,18 @@ def render_prompt(request: coordinator_pb2.GenerateRequest, tokenizer, vocab_siz
     return ids
 
 
+def request_id_of(request: coordinator_pb2.GenerateRequest, metadata_id: str) -> str:
+    """The request's id: its field, else the x-request-id metadata, else a new one."""
+    for name, value in (("request_id", request.request_id), ("x-request-id metadata", metadata_id)):
+        if value:
+            if not REQUEST_ID_PATTERN.fullmatch(value):
+                raise InvalidArgument(f"{name}: 1..{MAX_REQUEST_ID_CHARS} characters of A-Z a-z 0-9 . _ : / -")
+            return value
+    return uuid.uuid4().hex[:16]
+
+
 def plan_request(request: coordinator_pb2.GenerateRequest, prompt_ids: list[int], config: CoordinatorConfig,
-                 eos_ids: frozenset[int], max_context: int) -> GenerationPlan:
+                 eos_ids: frozenset[int], max_context: int, request_id: str = "") -> GenerationPlan:
     if not 1 <= request.max_new_tokens <= config.max_new_tokens_limit:
         raise InvalidArgument(
             f"max_new_tokens must be in 1..{config.max_new_tokens_limit}, got {request.max_new_tokens}"
@@ -63,14 +76,14 @@ def plan_request(request: coordinator_pb2.GenerateRequest, prompt_ids: list[int]
     for i, stop in enumerate(request.stop):
         if not stop or len(stop) > config.max_stop_string_chars:
             raise InvalidArgument(f"stop[{i}] must be 1..{config.max_stop_string_chars} characters")
+    if len(prompt_ids) > config.max_prompt_tokens:
+        raise InvalidArgument(f"prompt: {len(prompt_ids)} tokens exceed the limit of {config.max_prompt_tokens}")
     if len(prompt_ids) >= max_context:
         raise InvalidArgument(
             f"prompt: {len(prompt_ids)} tokens do not fit the model's context of {max_context} tokens"
         )
-    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidArgument(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters")
     return GenerationPlan(
-        request_id=request.request_id or uuid.uuid4().hex[:16],
+        request_id=request_id or request_id_of(request, ""),
         prompt_ids=prompt_ids,
         max_new_tokens=request.max_new_tokens,
         k=k,

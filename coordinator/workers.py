@@ -17,6 +17,7 @@ import grpc
 
 from coordinator.pool import Replica, WorkerPool, resolve_dns
 from specdec.errors import Unavailable
+from specdec.logs import REQUEST_ID_KEY
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,8 @@ class WorkerSession:
     """The coordinator's view of one session on one worker kind."""
 
     session_id: str
+    # The client request's id, sent along as x-request-id metadata for the workers' logs.
+    request_id: str = ""
     # Committed tokens the worker was last sent (it holds them unless it lost the session).
     sent: int = 0
     # Address of the replica holding the session's cache; every replica it has used.
@@ -63,14 +66,15 @@ class WorkerClient:
     patient = True
 
     def __init__(self, endpoints: str, timeout_s: float, retries: int, backoff_s: float, max_message_bytes: int,
-                 resolve_interval_s: float = 5.0, health_interval_s: float = 1.0, resolver=resolve_dns):
+                 resolve_interval_s: float = 5.0, health_interval_s: float = 1.0, resolver=resolve_dns,
+                 tls=None):
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
         # Vocabulary hashes a replica may serve; None: not known yet (admit anything).
         self.accepted_vocab_hashes: set[str] | None = None
         self.pool = WorkerPool(self.kind, endpoints, self.service_name, channel_options(max_message_bytes),
-                               resolve_interval_s, health_interval_s, resolver, admit=self._admit)
+                               resolve_interval_s, health_interval_s, resolver, admit=self._admit, tls=tls)
         self._stubs: dict[str, object] = {}
 
     def _make_stub(self, channel):
@@ -153,7 +157,8 @@ class WorkerClient:
                 delta = common_pb2.SessionDelta(session_id=session.session_id, start=start, tokens=committed[start:])
                 request = make_request(delta)
                 try:
-                    response = await getattr(self.stub(replica), method)(request, timeout=self.timeout_s)
+                    response = await getattr(self.stub(replica), method)(
+                        request, timeout=self.timeout_s, metadata=((REQUEST_ID_KEY, session.request_id),))
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() not in TRANSIENT:
                         raise

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
 from draft_worker.drafters.model import ModelDrafter
 from draft_worker.drafters.ngram import NgramDrafter
 from draft_worker.propose import Proposer
-from specdec import metrics
+from specdec import logs, metrics
 from specdec.config import WorkerConfig
-from specdec.lm import CausalLM
+from specdec.cpu_fast import serving_lm
 from specdec.models import NGRAM, load_model
 from specdec.serving import ModelThread, RunningServer, start_server
 from specdec.sessions import Resync, SessionStore
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.worker_info import SessionWorkerRpcs, model_info
 
+log = logging.getLogger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
 NGRAM_TOKEN_BYTES = 8  # one Python int per context token, roughly
 
@@ -30,10 +33,15 @@ class DraftWorkerServicer(SessionWorkerRpcs, draft_pb2_grpc.DraftWorkerServicer)
     async def Propose(self, request: draft_pb2.ProposeRequest,
                       context: grpc.aio.ServicerContext) -> draft_pb2.ProposeResponse:
         delta = request.delta
+        logs.request_id.set(logs.metadata_request_id(context.invocation_metadata()))
+        evictions = self.store.evictions
         with metrics.worker_call("draft", "Propose"):
             result = await self.thread.run(
                 self.proposer.propose, delta.session_id, delta.start, list(delta.tokens), request.k
             )
+        log.debug("propose %s: start %d, %d new tokens, k %d -> %s", delta.session_id, delta.start,
+                  len(delta.tokens), request.k, result)
+        metrics.observe_store("draft", self.store, evictions)
         if isinstance(result, Resync):
             metrics.WORKER_RESYNCS.labels("draft").inc()
             return draft_pb2.ProposeResponse(resync=common_pb2.ResyncRequired(cached_len=result.cached_len))
@@ -49,7 +57,7 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> DraftWor
     else:
         if model is None:
             model, tokenizer = load_model(config.model, device=config.device)
-        lm = CausalLM(model)
+        lm = serving_lm(model, config.cpu_fast_path)
         drafter = ModelDrafter(config.model, lm)
         info = model_info(config.model, model, tokenizer)
         bytes_per_token = lm.bytes_per_token

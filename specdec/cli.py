@@ -41,6 +41,16 @@ def _add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> Non
                         help="serve Prometheus /metrics on this port [SPECDEC_METRICS_PORT]")
     parser.add_argument("--grace-period", type=float, default=float(_env("SPECDEC_GRACE_PERIOD", 20.0)),
                         help="seconds in-flight calls get to finish after SIGTERM [SPECDEC_GRACE_PERIOD]")
+    parser.add_argument("--tls-cert", default=_env("SPECDEC_TLS_CERT", None),
+                        help="serve TLS with this certificate (PEM) [SPECDEC_TLS_CERT]")
+    parser.add_argument("--tls-key", default=_env("SPECDEC_TLS_KEY", None),
+                        help="private key of --tls-cert (PEM) [SPECDEC_TLS_KEY]")
+    parser.add_argument("--tls-client-ca", default=_env("SPECDEC_TLS_CLIENT_CA", None),
+                        help="demand client certificates signed by this CA: mutual TLS [SPECDEC_TLS_CLIENT_CA]")
+    parser.add_argument("--insecure", action="store_true", default=_env("SPECDEC_INSECURE", "") == "1",
+                        help="allow plaintext gRPC off loopback (logged as a warning) [SPECDEC_INSECURE=1]")
+    parser.add_argument("--log-format", choices=["json", "text"], default=_env("SPECDEC_LOG_FORMAT", None),
+                        help="log lines as JSON objects (default for serve) or text [SPECDEC_LOG_FORMAT]")
 
 
 def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +60,39 @@ def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _server_config(args) -> ServerConfig:
+    from pathlib import Path
+
+    from specdec.tls import ServerTLS
+
     metrics_port = None if args.metrics_port in (None, "") else int(args.metrics_port)
-    return ServerConfig(host=args.host, port=args.port, grace_period_s=args.grace_period, metrics_port=metrics_port)
+    paths = [None if p is None else Path(p) for p in (args.tls_cert, args.tls_key, args.tls_client_ca)]
+    return ServerConfig(host=args.host, port=args.port, grace_period_s=args.grace_period, metrics_port=metrics_port,
+                        tls=ServerTLS(*paths), insecure=args.insecure)
+
+
+def _add_coordinator_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--auth-token-file", default=_env("SPECDEC_AUTH_TOKEN_FILE", None),
+                        help="require a bearer token from this file (one per line; re-read when it changes) "
+                             "[SPECDEC_AUTH_TOKEN_FILE; tokens may also come from SPECDEC_AUTH_TOKENS]")
+    parser.add_argument("--max-concurrent-requests", type=int, default=256,
+                        help="streams served at once; beyond: RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-streams-per-client", type=int, default=16,
+                        help="streams one client (token, else address) may hold at once")
+    parser.add_argument("--max-prompt-tokens", type=int, default=32768, help="longest prompt accepted")
+    parser.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens accepted")
+
+
+def _coordinator_config(args, target_addr: str, draft_addr: str | None, tokenizer: str, worker_tls=None):
+    from pathlib import Path
+
+    return CoordinatorConfig(
+        target_addr=target_addr, draft_addr=draft_addr, tokenizer=tokenizer, server=_server_config(args),
+        default_k=args.k, worker_tls=worker_tls,
+        auth_token_file=Path(args.auth_token_file) if args.auth_token_file else None,
+        auth_tokens_env=os.environ.get("SPECDEC_AUTH_TOKENS", ""),
+        max_concurrent_requests=args.max_concurrent_requests, max_streams_per_client=args.max_streams_per_client,
+        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
+    )
 
 
 def _worker_config(args, model: str, port: int | None = None) -> WorkerConfig:
@@ -74,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--draft", default=DEFAULT_DRAFT,
                     help="draft model spec, 'ngram' or 'none' (default %(default)s)")
     up.add_argument("--k", type=int, default=DEFAULT_K, help="default speculative tokens per round")
+    _add_coordinator_flags(up)
 
     serve = commands.add_parser("serve", help="run one service")
     kinds = serve.add_subparsers(dest="service", required=True)
@@ -87,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator.add_argument("--tokenizer", default=_env("SPECDEC_TOKENIZER", DEFAULT_TARGET),
                              help="model spec whose tokenizer to use: the target's [SPECDEC_TOKENIZER]")
     coordinator.add_argument("--k", type=int, default=DEFAULT_K, help="default speculative tokens per round")
+    _add_coordinator_flags(coordinator)
+    coordinator.add_argument("--worker-ca", default=_env("SPECDEC_WORKER_CA", None),
+                             help="CA of the workers' TLS certificates: call workers over TLS [SPECDEC_WORKER_CA]")
+    coordinator.add_argument("--worker-cert", default=_env("SPECDEC_WORKER_CERT", None),
+                             help="client certificate for workers that demand one (mTLS) [SPECDEC_WORKER_CERT]")
+    coordinator.add_argument("--worker-key", default=_env("SPECDEC_WORKER_KEY", None),
+                             help="private key of --worker-cert [SPECDEC_WORKER_KEY]")
     for name, port, default_model in (("draft", DEFAULT_DRAFT_PORT, DEFAULT_DRAFT),
                                       ("target", DEFAULT_TARGET_PORT, DEFAULT_TARGET)):
         worker = kinds.add_parser(name, help=f"{name} worker")
@@ -112,6 +161,19 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--timeout", type=float, default=None, help="deadline of the call, seconds")
     generate.add_argument("--wait-ready", type=float, default=0.0,
                           help="wait up to this many seconds for the coordinator to come up")
+    generate.add_argument("--token", default=_env("SPECDEC_TOKEN", None),
+                          help="bearer token for a coordinator that requires one [SPECDEC_TOKEN]")
+    generate.add_argument("--ca", default=_env("SPECDEC_CA", None),
+                          help="CA of the coordinator's TLS certificate: connect over TLS [SPECDEC_CA]")
+    generate.add_argument("--cert", default=None, help="client certificate, if the coordinator demands one")
+    generate.add_argument("--key", default=None, help="private key of --cert")
+    generate.add_argument("--request-id", default="", help="id for the logs of every service (x-request-id)")
+
+    certs = commands.add_parser("certs", help="make a development CA, server and client certificates")
+    certs.add_argument("--out", required=True, help="directory to write ca.pem, server.pem/.key, client.pem/.key")
+    certs.add_argument("--host", action="append", default=[],
+                       help="a DNS name or IP the server certificate must cover (repeatable); "
+                            "localhost and 127.0.0.1 are always included")
     return parser
 
 
@@ -127,20 +189,41 @@ async def _run_up(args) -> int:
     # One process serves all three here, so one /metrics endpoint covers them.
     serve_metrics(_server_config(args).metrics_port, args.host)
 
-    target = await target_service.serve(_worker_config(args, args.target, port=0))
+    # The worker links always use mutual TLS here, with a CA made for this run: nothing but
+    # this coordinator can call these workers, even on a shared machine.
+    import tempfile
+    from pathlib import Path
+
+    from specdec.tls import ClientTLS, ServerTLS, make_dev_certs
+
+    cert_dir = Path(tempfile.mkdtemp(prefix="specdec-up-certs-"))
+    certs = make_dev_certs(cert_dir, [])
+    worker_tls = ServerTLS(cert_dir / "server.pem", cert_dir / "server.key", certs["ca"])
+    coordinator_tls = ClientTLS(certs["ca"], cert_dir / "client.pem", cert_dir / "client.key")
+
+    def worker_config(model: str) -> WorkerConfig:
+        config = _worker_config(args, model, port=0)
+        config.server.host, config.server.tls, config.server.insecure = "127.0.0.1", worker_tls, False
+        return config
+
+    target = await target_service.serve(worker_config(args.target))
     print(f"target worker  ({args.target}) listening on {target.address}", flush=True)
     servers = [target]
     draft_addr = None
     if args.draft != NO_DRAFT:
-        draft = await draft_service.serve(_worker_config(args, args.draft, port=0))
+        draft = await draft_service.serve(worker_config(args.draft))
         print(f"draft worker   ({args.draft}) listening on {draft.address}", flush=True)
         servers.insert(0, draft)
         draft_addr = draft.address
-    config = CoordinatorConfig(target_addr=target.address, draft_addr=draft_addr, tokenizer=args.target,
-                               server=_server_config(args), default_k=args.k)
+    config = _coordinator_config(args, target.address, draft_addr, args.target, coordinator_tls)
     coordinator = await coordinator_service.serve(config)
     print(f"coordinator    listening on {coordinator.address} (k={args.k}); Ctrl-C stops", flush=True)
-    await serve_until(stop, [coordinator, *servers])
+    try:
+        await serve_until(stop, [coordinator, *servers])
+    finally:
+        import shutil
+
+        shutil.rmtree(cert_dir, ignore_errors=True)
     return 0
 
 
@@ -154,9 +237,16 @@ async def _run_serve(args) -> int:
     if args.service == "coordinator":
         from coordinator import service
 
+        from pathlib import Path
+
+        from specdec.tls import ClientTLS
+
         draft_addr = None if args.draft_addr == NO_DRAFT else args.draft_addr
-        config = CoordinatorConfig(target_addr=args.target_addr, draft_addr=draft_addr, tokenizer=args.tokenizer,
-                                   server=_server_config(args), default_k=args.k)
+        worker_tls = None
+        if args.worker_ca:
+            worker_tls = ClientTLS(Path(args.worker_ca), args.worker_cert and Path(args.worker_cert),
+                                   args.worker_key and Path(args.worker_key))
+        config = _coordinator_config(args, args.target_addr, draft_addr, args.tokenizer, worker_tls)
         running = await service.serve(config)
     else:
         if args.service == "draft":
@@ -166,6 +256,17 @@ async def _run_serve(args) -> int:
         running = await service.serve(_worker_config(args, args.model))
     print(f"{args.service} listening on {running.address}", flush=True)
     await serve_until(stop, [running])
+    return 0
+
+
+async def _run_certs(args) -> int:
+    from pathlib import Path
+
+    from specdec.tls import make_dev_certs
+
+    written = make_dev_certs(Path(args.out), args.host)
+    for stem, path in written.items():
+        print(f"{stem:7s} {path}  (key: {path.with_suffix('.key')})" if stem != "ca" else f"ca      {path}")
     return 0
 
 
@@ -187,9 +288,16 @@ async def _run_generate(args) -> int:
     timeout = args.timeout
     if args.wait_ready and timeout is None:
         timeout = args.wait_ready + 3600.0
-    async with Client(args.addr) as client:
+    from pathlib import Path
+
+    from specdec.tls import ClientTLS
+
+    tls = None
+    if args.ca:
+        tls = ClientTLS(Path(args.ca), args.cert and Path(args.cert), args.key and Path(args.key))
+    async with Client(args.addr, tls=tls, token=args.token) as client:
         result = await client.complete(request, timeout=timeout, wait_for_ready=args.wait_ready > 0,
-                                       on_text=None if args.json else stream_text)
+                                       on_text=None if args.json else stream_text, request_id=args.request_id)
     if args.json:
         print(json.dumps(result.to_json(), ensure_ascii=False))
     else:
@@ -199,8 +307,11 @@ async def _run_generate(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from specdec import logs
+
+    fmt = getattr(args, "log_format", None) or ("json" if args.command == "serve" else "text")
+    logs.configure(fmt, logging.DEBUG if args.verbose else logging.INFO,
+                   service=getattr(args, "service", None) or args.command)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import grpc
 
@@ -211,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--k must be in 1..{MAX_K}", file=sys.stderr)
         return 2
 
-    runners = {"up": _run_up, "serve": _run_serve, "generate": _run_generate}
+    runners = {"up": _run_up, "serve": _run_serve, "generate": _run_generate, "certs": _run_certs}
     try:
         return asyncio.run(runners[args.command](args))
     except grpc.aio.AioRpcError as exc:
@@ -222,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except ModelNotFound as exc:
         print(f"model not found: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:  # a bad flag value found while starting (endpoints, token file)
+        print(f"INVALID_ARGUMENT: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

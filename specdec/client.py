@@ -51,11 +51,15 @@ class Completion:
 
 
 class Client:
-    def __init__(self, address: str, max_message_bytes: int = 16 * 1024 * 1024):
+    def __init__(self, address: str, max_message_bytes: int = 16 * 1024 * 1024, tls=None, token: str | None = None):
+        """tls: a specdec.tls.ClientTLS to connect over TLS; token: a bearer token."""
+        from specdec.tls import channel
+
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]
-        self.channel = grpc.aio.insecure_channel(address, options=options)
+        self.channel = channel(address, tls, options)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+        self.token = token
 
     async def __aenter__(self) -> Client:
         return self
@@ -67,15 +71,21 @@ class Client:
         await self.channel.close()
 
     def stream(self, request: coordinator_pb2.GenerateRequest, timeout: float | None = None,
-               wait_for_ready: bool = False) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
-        return self.stub.Generate(request, timeout=timeout, wait_for_ready=wait_for_ready)
+               wait_for_ready: bool = False, request_id: str = "") -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        metadata = []
+        if self.token:
+            metadata.append(("authorization", f"Bearer {self.token}"))
+        if request_id:
+            metadata.append(("x-request-id", request_id))
+        return self.stub.Generate(request, timeout=timeout, wait_for_ready=wait_for_ready, metadata=metadata or None)
 
     async def complete(self, request: coordinator_pb2.GenerateRequest, timeout: float | None = None,
-                       wait_for_ready: bool = False, on_text=None) -> Completion:
+                       wait_for_ready: bool = False, on_text=None, request_id: str = "") -> Completion:
         """Runs a request to the end; on_text(delta) is called as text streams in."""
         began = time.perf_counter()
         result = Completion()
-        async for response in self.stream(request, timeout=timeout, wait_for_ready=wait_for_ready):
+        async for response in self.stream(request, timeout=timeout, wait_for_ready=wait_for_ready,
+                                          request_id=request_id):
             result.text += response.text
             result.token_ids.extend(response.token_ids)
             if on_text is not None and response.text:

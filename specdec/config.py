@@ -4,6 +4,9 @@ variables named on each flag) in specdec.cli — the one place that reads them."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdec.tls import ClientTLS, ServerTLS
 
 DEFAULT_COORDINATOR_PORT = 50051
 DEFAULT_TARGET_PORT = 50052
@@ -26,6 +29,10 @@ class ServerConfig:
     """Largest gRPC message accepted or sent."""
     metrics_port: int | None = None
     """Port of the Prometheus /metrics endpoint; None: no endpoint."""
+    tls: ServerTLS = field(default_factory=ServerTLS)
+    """Certificate and key (TLS), and the client CA (mutual TLS); unset: plaintext."""
+    insecure: bool = False
+    """Plaintext off loopback, asked for explicitly (logged as a warning)."""
 
 
 @dataclass
@@ -44,6 +51,9 @@ class WorkerConfig:
     """Most draft tokens per round."""
     device: str = "cpu"
     """Torch device for the model."""
+    cpu_fast_path: bool = True
+    """On CPU, serve a copy of the model with oneDNN-packed linears, grouped-query attention
+    inside SDPA and buffered KV caches (specdec.cpu_fast); no effect on other devices."""
 
 
 @dataclass
@@ -62,6 +72,19 @@ class CoordinatorConfig:
     """Speculative tokens per round when a request does not say."""
     max_k: int = MAX_K
     """Largest k a request may ask for."""
+    worker_tls: ClientTLS | None = None
+    """How to reach TLS workers: their CA, and this coordinator's client cert (mTLS)."""
+    auth_token_file: Path | None = None
+    """File of accepted bearer tokens, one per line, re-read when it changes; None (and no
+    SPECDEC_AUTH_TOKENS): no authentication."""
+    auth_tokens_env: str = ""
+    """Comma-separated accepted tokens from the environment (SPECDEC_AUTH_TOKENS)."""
+    max_prompt_tokens: int = 32768
+    """Longest prompt accepted, in tokens (the model's context may be shorter)."""
+    max_concurrent_requests: int = 256
+    """Generate streams served at once; beyond: RESOURCE_EXHAUSTED with a retry hint."""
+    max_streams_per_client: int = 16
+    """Generate streams one client (its token, else its address) may hold at once."""
     max_new_tokens_limit: int = 4096
     """Largest max_new_tokens a request may ask for."""
     max_stop_strings: int = 16

@@ -6,14 +6,19 @@ to propose one. It knows nothing of gRPC.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from specdec.sessions import Session, SyncedContext
 
 
 class CausalLM:
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, new_cache: Callable[[Any], Any] | None = None):
+        """new_cache(config) makes a session's KV cache; default: a transformers DynamicCache."""
         self.model = model
+        self._cache_factory = new_cache
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -28,6 +33,8 @@ class CausalLM:
         return 2 * cfg.num_hidden_layers * heads * head_dim * element
 
     def _new_cache(self):
+        if self._cache_factory is not None:
+            return self._cache_factory(self.config)
         from transformers import DynamicCache
 
         return DynamicCache(config=self.config)

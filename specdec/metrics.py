@@ -19,6 +19,14 @@ WORKER_SECONDS = Histogram(
     "specdec_worker_request_seconds", "Propose/Verify latency on the worker, queueing included",
     ["kind", "method"], buckets=LATENCY_BUCKETS,
 )
+WORKER_CACHE_BYTES = Gauge("specdec_worker_cache_bytes", "KV-cache bytes held over all sessions", ["kind"])
+WORKER_SESSIONS = Gauge("specdec_worker_sessions", "Sessions whose cache the worker holds", ["kind"])
+WORKER_EVICTIONS = Counter("specdec_worker_cache_evictions_total", "Sessions evicted (LRU) to stay in budget",
+                           ["kind"])
+POSITION_PROPOSED = Counter("specdec_position_proposed_total", "Draft tokens proposed at each block position",
+                            ["position"])
+POSITION_ACCEPTED = Counter("specdec_position_accepted_total", "Draft tokens accepted at each block position",
+                            ["position"])
 WORKER_RESYNCS = Counter("specdec_worker_resyncs_total", "Rounds answered with a resync request", ["kind"])
 COORDINATOR_ACTIVE = Gauge("specdec_coordinator_active_requests", "Generate streams being served now")
 REQUESTS = Counter("specdec_coordinator_requests_total", "Generate requests by final status", ["status"])
@@ -31,6 +39,21 @@ ACCEPTED_LENGTH = Histogram(
     buckets=tuple(range(1, 18)),
 )
 TTFT = Histogram("specdec_ttft_seconds", "Time from request to first token", buckets=LATENCY_BUCKETS)
+
+
+def observe_store(kind: str, store, evictions_before: int) -> None:
+    """Cache gauges after a worker call; counts the evictions the call caused."""
+    WORKER_CACHE_BYTES.labels(kind).set(store.cache_bytes())
+    WORKER_SESSIONS.labels(kind).set(len(store))
+    if store.evictions > evictions_before:
+        WORKER_EVICTIONS.labels(kind).inc(store.evictions - evictions_before)
+
+
+def observe_round(proposed: int, accepted: int) -> None:
+    for position in range(proposed):
+        POSITION_PROPOSED.labels(str(position)).inc()
+        if position < accepted:
+            POSITION_ACCEPTED.labels(str(position)).inc()
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ in-flight calls get a grace period, then the server stops)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import signal
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specdec.config import ServerConfig
 from specdec.errors import ErrorMappingInterceptor
+from specdec.tls import check_plaintext_allowed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -32,7 +34,9 @@ class ModelThread:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        # Carry the caller's context (its request id, for logs) into the model thread.
+        context = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, context.run, fn, *args)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -67,14 +71,16 @@ async def start_server(
     register: Callable[[grpc.aio.Server], None],
     service_names: list[str],
     on_stop: Callable[[], None] | None = None,
+    interceptors: list | None = None,
 ) -> RunningServer:
-    """Builds, binds and starts a server; `register` adds the service's servicers."""
+    """Builds, binds and starts a server; `register` adds the service's servicers.
+    `interceptors` run before the error-mapping one (e.g. authentication)."""
     options = [
         ("grpc.max_send_message_length", config.max_message_bytes),
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=options)
+    server = grpc.aio.server(interceptors=[*(interceptors or []), ErrorMappingInterceptor()], options=options)
     register(server)
     # The asyncio servicer: the sync one's Check is not awaitable under grpc.aio.
     health_servicer = health.aio.HealthServicer()
@@ -83,7 +89,12 @@ async def start_server(
         [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    if config.tls.enabled:
+        port = server.add_secure_port(address, config.tls.credentials())
+    else:
+        check_plaintext_allowed(config.host, config.insecure, "/".join(service_names))
+        port = server.add_insecure_port(address)
     if port == 0:
         raise OSError(f"cannot listen on {config.host}:{config.port}")
     await server.start()

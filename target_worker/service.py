@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 
-from specdec import metrics
+from specdec import logs, metrics
 from specdec.config import WorkerConfig
-from specdec.lm import CausalLM
+from specdec.cpu_fast import serving_lm
 from specdec.models import load_model
 from specdec.sampling import Sampling
 from specdec.serving import ModelThread, RunningServer, start_server
@@ -15,6 +17,7 @@ from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.worker_info import SessionWorkerRpcs, model_info
 from target_worker.verify import Verifier
 
+log = logging.getLogger(__name__)
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
 
 
@@ -28,11 +31,16 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
     async def Verify(self, request: target_pb2.VerifyRequest,
                      context: grpc.aio.ServicerContext) -> target_pb2.VerifyResponse:
         delta = request.delta
+        logs.request_id.set(logs.metadata_request_id(context.invocation_metadata()))
+        evictions = self.store.evictions
         with metrics.worker_call("target", "Verify"):
             result = await self.thread.run(
                 self.verifier.verify, delta.session_id, delta.start, list(delta.tokens), list(request.draft_tokens),
                 Sampling.from_proto(request.sampling if request.HasField("sampling") else None),
             )
+        log.debug("verify %s: start %d, %d new tokens, %d drafts -> %s", delta.session_id, delta.start,
+                  len(delta.tokens), len(request.draft_tokens), result)
+        metrics.observe_store("target", self.store, evictions)
         if isinstance(result, Resync):
             metrics.WORKER_RESYNCS.labels("target").inc()
             return target_pb2.VerifyResponse(resync=common_pb2.ResyncRequired(cached_len=result.cached_len))
@@ -46,7 +54,7 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> TargetWo
     """Loads the model (unless given one) and wires the verifier."""
     if model is None:
         model, tokenizer = load_model(config.model, device=config.device)
-    lm = CausalLM(model)
+    lm = serving_lm(model, config.cpu_fast_path)
     store = SessionStore(config.max_sessions, config.max_cache_bytes, lm.bytes_per_token)
     return TargetWorkerServicer(Verifier(lm, store, config.max_k), model_info(config.model, model, tokenizer))
 

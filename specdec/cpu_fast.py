@@ -1,0 +1,226 @@
+"""The fast CPU path for serving: what makes a (k + 1)-token verification cost little more
+than a 1-token step on CPU, which is the ratio speculation lives on.
+
+Measured on the 2-core AMD EPYC of DESIGN.md (SmolLM2-135M fp32, 2 threads, 200-token
+context), a forward pass over n new tokens relative to n = 1 is 1.5–2× at n = 5 on the stock
+MKL path: MKL's fp32 GEMM for a handful of rows on this CPU is slow (the 49152×576 output
+layer alone takes ~8 ms at 1 row and ~39 ms at 5). oneDNN's packed-weight linear
+(`mkldnn._reorder_linear_weight` once, `mkldnn._linear_pointwise` per call) is as fast at 1
+row and nearly flat in rows. Three things are done, each exact in intent and each checked
+token for token against the plain model by the tests (tests/test_cpu_fast.py):
+
+1. every `nn.Linear` becomes a `PackedLinear` (oneDNN blocked weights, fp32 in and out);
+2. grouped-query attention runs inside SDPA (`enable_gqa=True`) instead of copying the keys
+   and values `num_heads / num_kv_heads` times per layer per verification (transformers
+   does that copy whenever a mask is passed, i.e. for every multi-token block with a cache;
+   the results are bit-identical, it only saves the copies);
+3. KV caches grow into preallocated buffers (`BufferedCache`) instead of `torch.cat`-ing the
+   whole context onto itself every step.
+
+Packed linears do change float rounding (a different GEMM kernel sums in a different order):
+logits differ from the MKL path by ~1e-6 relative; greedy choices flip only at near-exact
+ties. `torch.compile` was tried and does not pay here (see the report in benchmarks/).
+
+`fast_cpu_model` never modifies the model it is given: it returns a shallow copy whose
+modules are new objects sharing the original's parameters (packed weights are the one extra
+copy), so the caller can keep the plain model as a reference.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, DynamicCache
+from transformers.cache_utils import DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from specdec.lm import CausalLM
+
+log = logging.getLogger(__name__)
+
+# The attention implementation name registered with transformers for the fast path.
+CPU_ATTENTION = "specdec_cpu_sdpa"
+# KV buffers grow to the next multiple of this many tokens, with headroom of GROWTH×.
+KV_BLOCK_TOKENS = 256
+KV_GROWTH = 1.5
+PACKABLE_DTYPES = (torch.float32,)
+
+
+class PackedLinear(torch.nn.Module):
+    """y = x Wᵀ + b with W reordered once into oneDNN's blocked layout."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        # The batch-size hint picks the blocking; None packs for any number of rows, which
+        # measured as fast as a hint of 1 at 1 row and faster at 5–9 rows.
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.register_buffer("packed_weight", packed, persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
+        # Readers of `.weight` (vocabulary size, tied embeddings) still find the original,
+        # shared with the plain model: no extra memory.
+        self.weight = linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def can_pack(model: torch.nn.Module) -> str | None:
+    """None when the model can take packed linears; otherwise why not."""
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN (mkldnn)"
+    params = list(model.parameters())
+    if not params:
+        return "the model has no parameters"
+    if any(p.device.type != "cpu" for p in params):
+        return "the model is not on CPU"
+    if any(p.dtype not in PACKABLE_DTYPES for p in params if p.is_floating_point()):
+        return f"only {', '.join(map(str, PACKABLE_DTYPES))} weights are packed"
+    return None
+
+
+def _clone_tree(module: torch.nn.Module, swap) -> torch.nn.Module:
+    """A copy of the module tree: every module a new object (attributes shared, so the
+    parameters are the original's), each child passed through swap(name, child) first."""
+    clone = copy.copy(module)
+    clone._modules = {}
+    for name, child in module._modules.items():
+        if child is None:
+            clone._modules[name] = None
+            continue
+        replaced = swap(name, child)
+        clone._modules[name] = replaced if replaced is not None else _clone_tree(child, swap)
+    return clone
+
+
+def _register_attention() -> None:
+    AttentionInterface.register(CPU_ATTENTION, gqa_sdpa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(CPU_ATTENTION, sdpa_mask)
+
+
+def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                       is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, with grouped-query heads handled inside SDPA.
+
+    query: [batch, heads, q, head_dim]; key, value: [batch, kv_heads, kv, head_dim];
+    attention_mask: bool [batch, 1, q, kv] or None. Returns [batch, q, heads, head_dim].
+    """
+    q_length, kv_length = query.shape[2], key.shape[2]
+    # Without a mask, SDPA's top-left causal alignment is right only when q == kv (a prefill);
+    # a single query attends to everything. transformers drops the mask exactly then; any
+    # other case (soft-capping, position bias, dropout) goes to transformers' own SDPA path.
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    causal = bool(attention_mask is None and q_length > 1 and is_causal)
+    if (kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None or dropout
+            or (causal and q_length != kv_length)):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                         is_causal=causal, enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None  # [batch, q, heads, head_dim]
+
+
+def fast_cpu_model(model: torch.nn.Module, pack_linears: bool = True, gqa_attention: bool = True) -> torch.nn.Module:
+    """The serving copy of a CPU model: packed linears and in-SDPA GQA attention (see the
+    module docstring). Returns `model` itself, unchanged, when it cannot be packed."""
+    reason = can_pack(model)
+    if reason is not None:
+        log.info("CPU fast path off for %s: %s", type(model).__name__, reason)
+        return model
+
+    def swap(name: str, child: torch.nn.Module):
+        return PackedLinear(child) if pack_linears and type(child) is torch.nn.Linear else None
+
+    with torch.no_grad():
+        fast = _clone_tree(model, swap)
+    packed = sum(isinstance(m, PackedLinear) for m in fast.modules())
+    config = getattr(model, "config", None)
+    if gqa_attention and config is not None and getattr(config, "_attn_implementation", None) == "sdpa":
+        _register_attention()
+        fast_config = copy.copy(config)
+        fast_config._attn_implementation_internal = CPU_ATTENTION
+        # Modules hold the config they were built with; the copies get the copy, so the
+        # original model keeps its own attention implementation.
+        for module in fast.modules():
+            if getattr(module, "config", None) is config:
+                module.config = fast_config
+    log.info("CPU fast path: %d linear layers packed for oneDNN; attention %s", packed,
+             getattr(getattr(fast, "config", None), "_attn_implementation", None))
+    return fast
+
+
+def serving_lm(model: torch.nn.Module, enabled: bool = True) -> CausalLM:
+    """The CausalLM a worker serves `model` with: the fast path when enabled and the model
+    can take it, else the model as it is."""
+    if enabled:
+        fast = fast_cpu_model(model)
+        if fast is not model:
+            return CausalLM(fast, new_cache=new_cache)
+    return CausalLM(model)
+
+
+def new_cache(config):
+    """A transformers DynamicCache whose full-attention layers are BufferedLayers."""
+    cache = DynamicCache(config=config)
+    cache.layers = [BufferedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+class BufferedLayer(DynamicLayer):
+    """A DynamicLayer whose keys and values are views into buffers with headroom: appending
+    n tokens writes n rows instead of copying the whole context (DynamicLayer's torch.cat).
+    Cropping (DynamicLayer.crop) narrows the views; the next update overwrites the rows."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self._key_buffer = self._value_buffer = None
+
+    def _capacity(self) -> int:
+        return 0 if self._key_buffer is None else self._key_buffer.shape[-2]
+
+    def _views_are_ours(self, key_states: torch.Tensor) -> bool:
+        # reorder_cache, batch_select_indices and friends reassign keys to fresh tensors.
+        return (self._key_buffer is not None and self.keys.numel() > 0
+                and self.keys.data_ptr() == self._key_buffer.data_ptr()
+                and self.values.data_ptr() == self._value_buffer.data_ptr()
+                and self._key_buffer.shape[:-2] == key_states.shape[:-2])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states, value_states: [batch, kv_heads, n, head_dim]
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.get_seq_length()
+        needed = length + key_states.shape[-2]
+        if needed > self._capacity() or not self._views_are_ours(key_states):
+            self._grow(length, needed, key_states, value_states)
+        self._key_buffer[..., length:needed, :] = key_states
+        self._value_buffer[..., length:needed, :] = value_states
+        self.keys = self._key_buffer[..., :needed, :]  # [batch, kv_heads, needed, head_dim]
+        self.values = self._value_buffer[..., :needed, :]
+        return self.keys, self.values
+
+    def _grow(self, length: int, needed: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        capacity = max(needed, int(self._capacity() * KV_GROWTH))
+        capacity = -(-capacity // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+        keys = key_states.new_empty((*key_states.shape[:-2], capacity, key_states.shape[-1]))
+        values = value_states.new_empty((*value_states.shape[:-2], capacity, value_states.shape[-1]))
+        if length:
+            keys[..., :length, :] = self.keys
+            values[..., :length, :] = self.values
+        self._key_buffer, self._value_buffer = keys, values
+
+
+def set_threads(threads: int | None) -> None:
+    """Pins torch's intra-op pool (oneDNN and MKL use it); None leaves torch's default."""
+    if threads is not None:
+        torch.set_num_threads(threads)
