@@ -169,6 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--key", default=None, help="private key of --cert")
     generate.add_argument("--request-id", default="", help="id for the logs of every service (x-request-id)")
 
+    top = commands.add_parser("top", help="a live view of running services, from their /metrics endpoints")
+    top.add_argument("--metrics", action="append", default=[],
+                     help="a /metrics URL (repeatable; default http://127.0.0.1:9090/metrics)")
+    top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    top.add_argument("--once", action="store_true", help="print one view and exit")
+
     certs = commands.add_parser("certs", help="make a development CA, server and client certificates")
     certs.add_argument("--out", required=True, help="directory to write ca.pem, server.pem/.key, client.pem/.key")
     certs.add_argument("--host", action="append", default=[],
@@ -259,6 +265,12 @@ async def _run_serve(args) -> int:
     return 0
 
 
+async def _run_top(args) -> int:
+    from specdec.top import run
+
+    return await asyncio.to_thread(run, args.metrics or ["http://127.0.0.1:9090/metrics"], args.interval, args.once)
+
+
 async def _run_certs(args) -> int:
     from pathlib import Path
 
@@ -322,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--k must be in 1..{MAX_K}", file=sys.stderr)
         return 2
 
-    runners = {"up": _run_up, "serve": _run_serve, "generate": _run_generate, "certs": _run_certs}
+    runners = {"up": _run_up, "serve": _run_serve, "generate": _run_generate, "certs": _run_certs, "top": _run_top}
     try:
         return asyncio.run(runners[args.command](args))
     except grpc.aio.AioRpcError as exc:

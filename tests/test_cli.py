@@ -144,3 +144,12 @@ def test_metrics_endpoint_serves_the_autoscaling_metrics(up):
         assert name in body, name
     generated = float(re.search(r"^specdec_generated_tokens_total (\S+)$", body, re.M).group(1))
     assert generated >= 5
+
+
+def test_top_shows_the_served_requests(up):
+    port, _, _ = up
+    assert specdec("generate", "--addr", f"127.0.0.1:{port}", "--max-new-tokens", "5", "--raw", "x").returncode == 0
+    result = specdec("top", "--once", "--metrics", f"http://127.0.0.1:{METRICS_PORT}/metrics")
+    assert result.returncode == 0, result.stderr
+    assert "speculate acceptance" in result.stdout and "target" in result.stdout
+    assert "OK " in result.stdout  # requests by status
