@@ -89,6 +89,8 @@ class WorkerPool:
         # Checks a new replica before it gets rounds (e.g. that it shares the tokenizer).
         self.admit = admit
         self.replicas: dict[str, Replica] = {}
+        # Last successful answer per endpoint: a failed lookup (a DNS hiccup) keeps it.
+        self._last_answer: dict[tuple[str, int], list[str]] = {}
         self._tasks: list[asyncio.Task] = []
         self.changed = asyncio.Event()  # set whenever a replica becomes usable
 
@@ -99,9 +101,15 @@ class WorkerPool:
         seen: list[str] = []
         for host, port in self.endpoints:
             try:
-                seen.extend(await self.resolver(host, port))
-            except OSError as exc:  # a name with no ready pods resolves to nothing
-                log.warning("%s endpoint %s:%s does not resolve: %s", self.kind, host, port, exc)
+                answer = await self.resolver(host, port)
+                self._last_answer[(host, port)] = answer
+            except OSError as exc:
+                # Either no ready pods or a resolver hiccup: keep what it last resolved to,
+                # and let the health checks judge those replicas.
+                answer = self._last_answer.get((host, port), [])
+                log.warning("%s endpoint %s:%s does not resolve (%s); keeping %d known address(es)",
+                            self.kind, host, port, exc, len(answer))
+            seen.extend(answer)
         for address in seen:
             if address not in self.replicas:
                 log.info("%s replica %s added", self.kind, address)
@@ -127,7 +135,7 @@ class WorkerPool:
                 reply = await health_pb2_grpc.HealthStub(replica.channel).Check(
                     health_pb2.HealthCheckRequest(service=self.service_name), timeout=HEALTH_CHECK_TIMEOUT_S)
                 healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
-            except grpc.aio.AioRpcError:
+            except (grpc.aio.AioRpcError, grpc.aio.BaseError):  # failed call, or a channel resolve() closed
                 healthy = False
             if healthy != replica.healthy:
                 log.info("%s replica %s is %s", self.kind, replica.address, "back" if healthy else "out")

@@ -11,7 +11,7 @@ import grpc
 from coordinator.rounds import RoundRunner
 from coordinator.validation import plan_request, render_prompt, request_id_of
 from coordinator.pool import resolve_dns
-from coordinator.workers import DraftClient, TargetClient
+from coordinator.workers import DraftClient, TargetClient, model_shape
 from specdec import logs, metrics
 from specdec.auth import AuthInterceptor, TokenSet, client_identity
 from specdec.config import CoordinatorConfig
@@ -70,7 +70,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         try:
             request_id = request_id_of(request, logs.metadata_request_id(context.invocation_metadata()))
             logs.request_id.set(request_id)
-            prompt_ids = await asyncio.to_thread(render_prompt, request, self.tokenizer, self.vocab_size)
+            prompt_ids = await asyncio.to_thread(render_prompt, request, self.tokenizer, self.vocab_size,
+                                                 self.config.max_prompt_tokens)
             plan = plan_request(request, prompt_ids, self.config, self.eos_ids, self.max_context, request_id)
             log.info("request admitted: %d prompt tokens, max_new_tokens %d, k %d, %s", len(prompt_ids),
                      plan.max_new_tokens, plan.k, "greedy" if plan.sampling.greedy else "sampling")
@@ -86,7 +87,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         except grpc.aio.AioRpcError as exc:
             status = exc.code().name
             raise
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             status = "CANCELLED"
             raise
         except Exception:
@@ -121,6 +122,7 @@ async def connect(config: CoordinatorConfig, tokenizer=None, startup_timeout_s: 
                 log.warning("%s; starting without speculation until a draft replica appears", exc)
         check_compatible(target_info, draft_info, len(tokenizer), vocab_hash(tokenizer))
         target.accepted_vocab_hashes = {target_info.vocab_hash}
+        target.expected_shape = model_shape(target_info)
         if draft is not None:
             # A model draft must share the target's vocabulary; the n-gram drafter has none.
             draft.accepted_vocab_hashes = {target_info.vocab_hash, ""}

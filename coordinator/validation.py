@@ -8,23 +8,33 @@ import uuid
 from coordinator.rounds import GenerationPlan
 from specdec.config import CoordinatorConfig
 from specdec import sampling
-from specdec.errors import InvalidArgument
+from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.v1 import coordinator_pb2
 
 CHAT_ROLES = {"system", "user", "assistant"}
+# Characters per token no real prompt averages more than: text beyond max_prompt_tokens
+# times this is refused before it is tokenized (tokenizing megabytes costs seconds of CPU).
+MAX_CHARS_PER_TOKEN = 32
 MAX_REQUEST_ID_CHARS = 64
 # Request ids travel in gRPC metadata and logs: printable ASCII without spaces only.
 REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:/-]{1,%d}" % MAX_REQUEST_ID_CHARS)
 
 
-def render_prompt(request: coordinator_pb2.GenerateRequest, tokenizer, vocab_size: int) -> list[int]:
+def render_prompt(request: coordinator_pb2.GenerateRequest, tokenizer, vocab_size: int,
+                  max_prompt_tokens: int = 1 << 30) -> list[int]:
     kind = request.WhichOneof("prompt")
+    chars = len(request.text) if kind == "text" else sum(len(m.content) for m in request.chat.messages)
+    if chars > max_prompt_tokens * MAX_CHARS_PER_TOKEN:
+        raise InvalidArgument(f"prompt: {chars} characters cannot fit the limit of {max_prompt_tokens} tokens")
     if kind is None:
         raise InvalidArgument("prompt: set one of text, chat or token_ids")
     if kind == "text":
         if not request.text:
             raise InvalidArgument("prompt.text must not be empty")
-        return list(tokenizer(request.text, add_special_tokens=False)["input_ids"])
+        ids = list(tokenizer(request.text, add_special_tokens=False)["input_ids"])
+        if not ids:
+            raise InvalidArgument("prompt.text tokenizes to no tokens")
+        return ids
     if kind == "chat":
         messages = request.chat.messages
         if not messages:
@@ -36,11 +46,18 @@ def render_prompt(request: coordinator_pb2.GenerateRequest, tokenizer, vocab_siz
                 )
         if not any(m.content for m in messages):
             raise InvalidArgument("prompt.chat.messages: every message is empty")
-        rendered = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True
-        )
-        ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
-        return [int(t) for t in ids]
+        if not getattr(tokenizer, "chat_template", None):
+            raise FailedPrecondition("prompt.chat: the target's tokenizer has no chat template; send prompt.text")
+        try:
+            rendered = tokenizer.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True
+            )
+        except Exception as exc:  # jinja2.TemplateError: e.g. "roles must alternate"
+            raise InvalidArgument(f"prompt.chat: the chat template refused the messages: {exc}") from exc
+        ids = [int(t) for t in (rendered["input_ids"] if hasattr(rendered, "keys") else rendered)]
+        if not ids:
+            raise InvalidArgument("prompt.chat renders to no tokens")
+        return ids
     ids = list(request.token_ids.ids)
     if not ids:
         raise InvalidArgument("prompt.token_ids must not be empty")

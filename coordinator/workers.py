@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from coordinator.pool import Replica, WorkerPool, resolve_dns
-from specdec.errors import Unavailable
+from specdec.errors import FailedPrecondition, Unavailable
 from specdec.logs import REQUEST_ID_KEY
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -25,10 +25,22 @@ log = logging.getLogger(__name__)
 # CANCELLED reaches the coordinator as an error only when the *worker* cancelled the call
 # (it was stopped mid-call); the coordinator's own cancellations surface as CancelledError.
 TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+# A replica's own fault (a bug, out of memory, a full cache): its state for the session is
+# suspect, so the session is released there and rebuilt from scratch, on another replica
+# when there is one (DESIGN.md principle 1: nothing a worker holds is irreplaceable).
+REPLICA_FAULT = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 grpc.StatusCode.DATA_LOSS}
 # A worker asking for a resync twice in a row for the same call is broken, not restarted.
 MAX_RESYNCS_PER_CALL = 2
-RELEASE_TIMEOUT_S = 2.0
+# Releases run in the background, queued behind the worker's rounds: give them time.
+RELEASE_TIMEOUT_S = 30.0
 INFO_TIMEOUT_S = 2.0
+DRAFT_TIMEOUT_S = 10.0
+
+
+def model_shape(info: common_pb2.WorkerInfo) -> tuple:
+    """What every replica of a target must agree on, beyond the vocabulary."""
+    return (info.vocab_hash, info.model_vocab_size, info.max_context, tuple(sorted(info.eos_token_ids)))
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -69,10 +81,14 @@ class WorkerClient:
                  resolve_interval_s: float = 5.0, health_interval_s: float = 1.0, resolver=resolve_dns,
                  tls=None):
         self.timeout_s = timeout_s
+        # The draft's deadline is short: waiting long for a suggestion defeats its purpose.
+        self.call_timeout_s = min(timeout_s, DRAFT_TIMEOUT_S) if not self.patient else timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
-        # Vocabulary hashes a replica may serve; None: not known yet (admit anything).
+        # What a replica must serve to be admitted: vocabulary hashes it may have, and (for
+        # targets) the model's shape; None: not known yet (admit anything).
         self.accepted_vocab_hashes: set[str] | None = None
+        self.expected_shape: tuple | None = None
         self.pool = WorkerPool(self.kind, endpoints, self.service_name, channel_options(max_message_bytes),
                                resolve_interval_s, health_interval_s, resolver, admit=self._admit, tls=tls)
         self._stubs: dict[str, object] = {}
@@ -97,6 +113,8 @@ class WorkerClient:
         if self.accepted_vocab_hashes is None:
             return True
         info = await self.stub(replica).GetInfo(common_pb2.WorkerInfoRequest(), timeout=INFO_TIMEOUT_S)
+        if self.expected_shape is not None and model_shape(info) != self.expected_shape:
+            return False
         return info.vocab_hash in self.accepted_vocab_hashes
 
     async def info(self, timeout_s: float) -> common_pb2.WorkerInfo:
@@ -120,14 +138,15 @@ class WorkerClient:
     async def release(self, session: WorkerSession) -> None:
         for address in session.used:
             replica = self.pool.replicas.get(address)
-            if replica is None:
-                continue
-            try:
-                await self.stub(replica).Release(common_pb2.ReleaseRequest(session_id=session.session_id),
-                                                 timeout=RELEASE_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:  # the worker evicts it anyway, sooner or later
-                log.info("release of %s on %s failed: %s", session.session_id, address, exc.code().name)
+            if replica is not None:
+                await self._release_on(replica, session.session_id)
         self.pool.forget(session.session_id)
+
+    async def _release_on(self, replica: Replica, session_id: str, timeout_s: float = RELEASE_TIMEOUT_S) -> None:
+        try:
+            await self.stub(replica).Release(common_pb2.ReleaseRequest(session_id=session_id), timeout=timeout_s)
+        except (grpc.aio.AioRpcError, grpc.aio.BaseError) as exc:  # the worker evicts it anyway, in time
+            log.info("release of %s on %s failed: %s", session_id, replica.address, exc)
 
     async def _replica(self, session: WorkerSession, attempt: int) -> Replica | None:
         replica = self.pool.replica_for(session.session_id, session.replica)
@@ -158,11 +177,19 @@ class WorkerClient:
                 request = make_request(delta)
                 try:
                     response = await getattr(self.stub(replica), method)(
-                        request, timeout=self.timeout_s, metadata=((REQUEST_ID_KEY, session.request_id),))
+                        request, timeout=self.call_timeout_s, metadata=((REQUEST_ID_KEY, session.request_id),))
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() not in TRANSIENT:
-                        raise
                     last_error = f"{replica.address}: {exc.code().name}: {exc.details()}"
+                    if exc.code() in REPLICA_FAULT:
+                        log.warning("%s replica fault (%s): session %s restarts from scratch", self.kind, last_error,
+                                    session.session_id)
+                        await self._release_on(replica, session.session_id)
+                        start = 0
+                    elif exc.code() not in TRANSIENT:
+                        # The coordinator validated the request: a worker refusing it means the
+                        # two disagree (versions, limits), not that the client erred.
+                        raise FailedPrecondition(f"{self.kind} worker {replica.address} refused a round: "
+                                                 f"{exc.code().name}: {exc.details()}") from exc
                     self.pool.mark_failed(replica.address)
                 else:
                     session.wire_bytes += request.ByteSize() + response.ByteSize()

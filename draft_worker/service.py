@@ -41,7 +41,8 @@ class DraftWorkerServicer(SessionWorkerRpcs, draft_pb2_grpc.DraftWorkerServicer)
             )
         log.debug("propose %s: start %d, %d new tokens, k %d -> %s", delta.session_id, delta.start,
                   len(delta.tokens), request.k, result)
-        metrics.observe_store("draft", self.store, evictions)
+        # The store belongs to the model thread: read it there, never from the event loop.
+        await self.thread.run(metrics.observe_store, "draft", self.store, evictions)
         if isinstance(result, Resync):
             metrics.WORKER_RESYNCS.labels("draft").inc()
             return draft_pb2.ProposeResponse(resync=common_pb2.ResyncRequired(cached_len=result.cached_len))

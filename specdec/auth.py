@@ -91,12 +91,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         async def deny_unary(request, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
+        # No request deserializer: a refused caller's bytes are never parsed.
         if handler is not None and handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(deny_stream, request_deserializer=handler.request_deserializer,
+            return grpc.unary_stream_rpc_method_handler(deny_stream,
                                                         response_serializer=handler.response_serializer)
         return grpc.unary_unary_rpc_method_handler(
-            deny_unary, request_deserializer=handler.request_deserializer if handler else None,
-            response_serializer=handler.response_serializer if handler else None)
+            deny_unary, response_serializer=handler.response_serializer if handler else None)
 
 
 def client_identity(context: grpc.aio.ServicerContext) -> str:

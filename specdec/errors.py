@@ -52,6 +52,32 @@ def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
 
+class _Malformed:
+    """A request that did not parse (e.g. invalid UTF-8 in a string field)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _lenient(deserializer):
+    """Parsing happens before any handler code runs; a failure there would surface as
+    UNKNOWN with a logged trace. Hand the handler a marker instead, which it refuses."""
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as exc:  # noqa: BLE001 - protobuf's DecodeError and friends
+            return _Malformed(exc)
+
+    return parse
+
+
+def _malformed_message(request: _Malformed) -> str:
+    return f"malformed request: {request.error} (string fields must be valid UTF-8)"
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """Wraps every unary and server-streaming handler so that typed errors become statuses."""
 
@@ -62,13 +88,13 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler
@@ -76,6 +102,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
 def _wrap_unary(behavior: Callable[..., Awaitable]):
     async def wrapped(request, context: grpc.aio.ServicerContext):
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(request))
         try:
             return await behavior(request, context)
         except grpc.aio.AbortError:
@@ -89,6 +117,8 @@ def _wrap_unary(behavior: Callable[..., Awaitable]):
 
 def _wrap_stream(behavior: Callable[..., AsyncIterator]):
     async def wrapped(request, context: grpc.aio.ServicerContext):
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(request))
         try:
             async for response in behavior(request, context):
                 yield response

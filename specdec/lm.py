@@ -34,10 +34,16 @@ class CausalLM:
 
     def _new_cache(self):
         if self._cache_factory is not None:
-            return self._cache_factory(self.config)
-        from transformers import DynamicCache
+            cache = self._cache_factory(self.config)
+        else:
+            from transformers import DynamicCache
 
-        return DynamicCache(config=self.config)
+            cache = DynamicCache(config=self.config)
+        # Sliding-window layers (Gemma 3) drop states beyond the window as they go, and then
+        # cannot be cropped back after a rejected draft; recording keeps them until a crop.
+        if hasattr(cache, "activate_past_recording"):
+            cache.activate_past_recording()
+        return cache
 
     def prepare(self, synced: SyncedContext) -> list[int]:
         """Rolls the session's cache back to the reusable prefix of the committed context and
@@ -51,6 +57,12 @@ class CausalLM:
             keep = 0
         self.crop(session, keep)
         return synced.context[keep:]
+
+    @staticmethod
+    def forget(session: Session) -> None:
+        session.cache = None
+        session.ids = []
+        session.committed_len = 0
 
     def crop(self, session: Session, length: int) -> None:
         """Drops cache entries beyond `length` tokens."""
@@ -66,7 +78,13 @@ class CausalLM:
         assert tokens, "feed needs at least one token"
         assert session.cache.get_seq_length() == len(session.ids), "cache and ids out of step"
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
-        out = self.model(input_ids=input_ids, cache=session.cache, use_cache=True,
-                         logits_to_keep=logits_to_keep)
+        try:
+            out = self.model(input_ids=input_ids, cache=session.cache, use_cache=True,
+                             logits_to_keep=logits_to_keep)
+        except BaseException:
+            # Some layers may have grown and others not: the cache is no longer trustworthy.
+            # Forget it, so the next round asks the coordinator for a resync and rebuilds.
+            self.forget(session)
+            raise
         session.ids.extend(tokens)
         return out.logits[0].float()  # [logits_to_keep, V]

@@ -114,12 +114,10 @@ def stop_on_signals() -> asyncio.Event:
 
 
 async def serve_until(stop: asyncio.Event, servers: list[RunningServer]) -> None:
-    """Serves until `stop` is set, then stops every server cleanly: all go NOT_SERVING at
-    once, then each drains in order (coordinator first, so its in-flight rounds can still
-    reach the workers while they drain)."""
+    """Serves until `stop` is set, then stops the servers one after another, each going
+    NOT_SERVING and draining before the next starts: the coordinator first, so that its
+    in-flight requests can still reach workers that are SERVING while it drains."""
     await stop.wait()
     log.info("signal received: draining")
-    for running in servers:
-        await running.health.enter_graceful_shutdown()
     for running in servers:
         await running.stop()

@@ -50,6 +50,7 @@ class SessionWorkerRpcs:
                       context: grpc.aio.ServicerContext) -> common_pb2.WorkerInfo:
         info = common_pb2.WorkerInfo()
         info.CopyFrom(self._info)
-        info.active_sessions = len(self.store)
-        info.cache_bytes = self.store.cache_bytes()
+        # The store belongs to the model thread: read it there, never from the event loop.
+        info.active_sessions, info.cache_bytes = await self.thread.run(
+            lambda: (len(self.store), self.store.cache_bytes()))
         return info

@@ -40,7 +40,8 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
             )
         log.debug("verify %s: start %d, %d new tokens, %d drafts -> %s", delta.session_id, delta.start,
                   len(delta.tokens), len(request.draft_tokens), result)
-        metrics.observe_store("target", self.store, evictions)
+        # The store belongs to the model thread: read it there, never from the event loop.
+        await self.thread.run(metrics.observe_store, "target", self.store, evictions)
         if isinstance(result, Resync):
             metrics.WORKER_RESYNCS.labels("target").inc()
             return target_pb2.VerifyResponse(resync=common_pb2.ResyncRequired(cached_len=result.cached_len))

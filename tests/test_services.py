@@ -344,3 +344,86 @@ def test_graceful_stop_finishes_in_flight_request_and_reports_not_serving(target
     status, result = run(scenario())
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, PROMPTS[0]), MAX_NEW)
+
+
+def test_invalid_utf8_in_a_string_field_is_invalid_argument(target, tokenizer):
+    from specdec.v1 import coordinator_pb2
+
+    good = coordinator_pb2.GenerateRequest(text="hi", max_new_tokens=4, stop=["XY"]).SerializeToString()
+    bad = good.replace(b"XY", b"\xff\xfe")  # same length: the framing stays valid
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=NGRAM) as stack:
+            async with grpc.aio.insecure_channel(stack.address) as channel:
+                call = channel.unary_stream("/specdec.v1.Coordinator/Generate", request_serializer=lambda b: b,
+                                            response_deserializer=coordinator_pb2.GenerateResponse.FromString)
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    async for _ in call(bad):
+                        pass
+                return caught.value
+
+    error = run(scenario())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "UTF-8" in error.details()
+
+
+def test_chat_template_refusal_is_invalid_argument(target, tokenizer):
+    strict = make_tiny_tokenizer()
+    strict.chat_template = ("{% if messages|length > 1 %}{{ raise_exception('roles must alternate') }}{% endif %}"
+                            + strict.chat_template)
+    from specdec.v1 import coordinator_pb2
+
+    async def scenario():
+        async with running_stack(target, strict, draft=NGRAM) as stack:
+            async with Client(stack.address) as client:
+                request = coordinator_pb2.GenerateRequest(max_new_tokens=4)
+                request.chat.messages.add(role="user", content="a")
+                request.chat.messages.add(role="user", content="b")
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await client.complete(request)
+                return caught.value
+
+    error = run(scenario())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "roles must alternate" in error.details()
+
+
+def test_sliding_window_target_survives_rejected_drafts_past_its_window(tokenizer):
+    """Gemma 3 keeps only a window of states in some layers; a rejected draft must still be
+    rolled back there once the context is longer than the window."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4, max_position_embeddings=256,
+        layer_types=["sliding_attention", "full_attention"], bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    gemma = Gemma3ForCausalLM(config).eval()
+
+    async def scenario():
+        async with running_stack(gemma, tokenizer, draft=NGRAM) as stack:
+            async with Client(stack.address) as client:
+                return await client.complete(make_request(PROMPTS[0], max_new_tokens=30, k=3))
+
+    result = run(scenario())
+    assert result.stats["proposed"] > result.stats["accepted"], "the test needs rejected drafts"
+    assert result.token_ids == reference_greedy(gemma, chat_ids(tokenizer, PROMPTS[0]), 30)
+
+
+def test_a_worker_fault_restarts_the_session_instead_of_failing_the_request(target, tokenizer):
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=NGRAM) as stack:
+            verify = stack.target_servicer.verifier.verify
+            calls = [0]
+
+            def faulty(*args):
+                calls[0] += 1
+                if calls[0] == 3:
+                    raise RuntimeError("simulated replica fault (e.g. out of memory)")
+                return verify(*args)
+
+            stack.target_servicer.verifier.verify = faulty
+            async with Client(stack.address) as client:
+                return await client.complete(make_request(PROMPTS[0], max_new_tokens=MAX_NEW))
+
+    result = run(scenario())
+    assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, PROMPTS[0]), MAX_NEW)

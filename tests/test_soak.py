@@ -1,0 +1,69 @@
+"""The soak of benchmarks/soak.py, one minute of it: three service processes on loopback,
+mixed clients (greedy, seeded sampling, cancels, tight deadlines, bad requests) and a
+target worker killed and restarted mid-run; no admitted request is lost or answered wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SOAK = REPO / "benchmarks" / "soak.py"
+DURATION_S = 45
+# Set-up (tiny models, three interpreters, the references) and shutdown come on top.
+TIMEOUT_S = DURATION_S + 240
+
+
+@pytest.fixture(scope="module")
+def soak_report(tmp_path_factory) -> tuple[int, dict, str]:
+    out = tmp_path_factory.mktemp("soak") / "report.json"
+    # Its own session, so that a soak overrunning the timeout goes down with its services.
+    soak = subprocess.Popen(
+        [sys.executable, str(SOAK), "--duration", str(DURATION_S), "--clients", "4", "--restart", "target",
+         "--restart-signal", "KILL", "--json-out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, start_new_session=True,
+    )
+    try:
+        _, stderr = soak.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(soak.pid, signal.SIGKILL)
+        _, stderr = soak.communicate()
+    report = json.loads(out.read_text()) if out.exists() else {}
+    return soak.returncode, report, stderr[-4000:]
+
+
+def test_soak_loses_no_admitted_request_and_returns_no_wrong_output(soak_report):
+    returncode, report, stderr = soak_report
+    assert report, f"no report; stderr:\n{stderr}"
+    summary = {key: report.get(key) for key in ("error", "lost", "wrong", "lost_examples", "wrong_examples",
+                                                 "crashed", "restart")}
+    assert report["lost"] == 0 and report["wrong"] == 0, summary
+    assert report["crashed"] == [], summary
+    assert returncode == 0, summary
+
+
+def test_soak_restarts_the_target_while_serving(soak_report):
+    _, report, stderr = soak_report
+    assert report, f"no report; stderr:\n{stderr}"
+    restart = report["restart"]
+    assert restart["happened"], restart
+    assert restart["old_pid"] != restart["new_pid"]
+    assert report["served_after_restart"] > 0
+
+
+def test_soak_exercises_every_kind_of_client(soak_report):
+    _, report, stderr = soak_report
+    assert report, f"no report; stderr:\n{stderr}"
+    by_kind = report["by_kind"]
+    assert by_kind["greedy"].get("OK", 0) > 0
+    assert by_kind["sampled"].get("OK", 0) > 0
+    assert by_kind["cancel"].get("CANCELLED", 0) > 0
+    assert by_kind["bad"].get("INVALID_ARGUMENT", 0) > 0
+    assert set(report["peak_rss_mib"]) >= {"coordinator", "target", "draft"}
+    assert all(mib > 0 for mib in report["peak_rss_mib"].values())
