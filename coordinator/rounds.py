@@ -42,6 +42,8 @@ class GenerationPlan:
     eos_ids: frozenset[int]
     max_context: int
     sampling: Sampling = GREEDY
+    # Event-loop time by which the client wants the answer (its gRPC deadline); None: none.
+    deadline: float | None = None
 
 
 @dataclass
@@ -86,8 +88,8 @@ class RoundRunner:
     async def run(self, plan: GenerationPlan) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         """Yields one response per round with new tokens; the last carries finish and stats."""
         base = uuid.uuid4().hex
-        target_session = WorkerSession(f"{base}/target", request_id=plan.request_id)
-        draft_session = WorkerSession(f"{base}/draft", request_id=plan.request_id)
+        target_session = WorkerSession(f"{base}/target", request_id=plan.request_id, deadline=plan.deadline)
+        draft_session = WorkerSession(f"{base}/draft", request_id=plan.request_id, deadline=plan.deadline)
         sessions = [target_session, draft_session]
         stats = Stats()
         committed = list(plan.prompt_ids)

@@ -4,9 +4,12 @@ share a tokenizer, then serve Generate."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+from collections import OrderedDict
 
 import grpc
+from asyncio_throttle import Throttler
 
 from coordinator.rounds import RoundRunner
 from coordinator.validation import plan_request, render_prompt, request_id_of
@@ -25,6 +28,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 RETRY_AFTER_S = 1
+MAX_TRACKED_CLIENTS = 10_000
 WORKER_STARTUP_TIMEOUT_S = 600.0
 DRAFT_STARTUP_TIMEOUT_S = 30.0
 
@@ -40,6 +44,26 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.vocab_size = vocab_size
         self.active = 0
         self.per_client: dict[str, int] = {}
+        self.throttlers: OrderedDict[str, Throttler] = OrderedDict()
+
+    async def _throttle(self, client: str, context: grpc.aio.ServicerContext) -> None:
+        """Per-client request rate (asyncio-throttle): a short wait, then RESOURCE_EXHAUSTED."""
+        rate = self.config.rate_limit_per_client
+        if rate <= 0:
+            return
+        throttler = self.throttlers.get(client)
+        if throttler is None:
+            throttler = self.throttlers[client] = Throttler(rate_limit=max(1, int(rate)), period=max(1, int(rate)) / rate)
+            while len(self.throttlers) > MAX_TRACKED_CLIENTS:
+                self.throttlers.popitem(last=False)
+        self.throttlers.move_to_end(client)
+        try:
+            await asyncio.wait_for(throttler.acquire(), timeout=self.config.rate_limit_wait_s)
+        except asyncio.TimeoutError:
+            retry = max(1, round(1 / rate))
+            context.set_trailing_metadata((("retry-after-s", str(retry)),))
+            metrics.REQUESTS.labels("RESOURCE_EXHAUSTED").inc()
+            raise ResourceExhausted(f"this client exceeds {rate:g} requests/s; retry in {retry} s") from None
 
     def _admit(self, client: str, context: grpc.aio.ServicerContext) -> None:
         """Backpressure: refuse (RESOURCE_EXHAUSTED, with a retry hint) beyond the limits."""
@@ -64,6 +88,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def Generate(self, request: coordinator_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
         client = client_identity(context)
+        await self._throttle(client, context)
         self._admit(client, context)
         metrics.COORDINATOR_ACTIVE.inc()
         status = "OK"
@@ -73,6 +98,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             prompt_ids = await asyncio.to_thread(render_prompt, request, self.tokenizer, self.vocab_size,
                                                  self.config.max_prompt_tokens)
             plan = plan_request(request, prompt_ids, self.config, self.eos_ids, self.max_context, request_id)
+            remaining = context.time_remaining()
+            if remaining is not None:  # the client's deadline bounds every worker call too
+                plan = dataclasses.replace(plan, deadline=asyncio.get_running_loop().time() + remaining)
             log.info("request admitted: %d prompt tokens, max_new_tokens %d, k %d, %s", len(prompt_ids),
                      plan.max_new_tokens, plan.k, "greedy" if plan.sampling.greedy else "sampling")
             async for response in self.runner.run(plan):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from coordinator.pool import Replica, WorkerPool, resolve_dns
-from specdec.errors import FailedPrecondition, Unavailable
+from specdec.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from specdec.logs import REQUEST_ID_KEY
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -60,6 +60,8 @@ class WorkerSession:
     session_id: str
     # The client request's id, sent along as x-request-id metadata for the workers' logs.
     request_id: str = ""
+    # Event-loop time of the client's deadline: no worker call outlives it.
+    deadline: float | None = None
     # Committed tokens the worker was last sent (it holds them unless it lost the session).
     sent: int = 0
     # Address of the replica holding the session's cache; every replica it has used.
@@ -176,10 +178,16 @@ class WorkerClient:
                 delta = common_pb2.SessionDelta(session_id=session.session_id, start=start, tokens=committed[start:])
                 request = make_request(delta)
                 try:
+                    timeout = self.call_timeout_s
+                    if session.deadline is not None:
+                        timeout = min(timeout, max(0.001, session.deadline - loop.time()))
                     response = await getattr(self.stub(replica), method)(
-                        request, timeout=self.call_timeout_s, metadata=((REQUEST_ID_KEY, session.request_id),))
+                        request, timeout=timeout, metadata=((REQUEST_ID_KEY, session.request_id),))
                 except grpc.aio.AioRpcError as exc:
                     last_error = f"{replica.address}: {exc.code().name}: {exc.details()}"
+                    if session.deadline is not None and loop.time() >= session.deadline:
+                        # The client's deadline ran out, not the replica: leave it in the pool.
+                        raise DeadlineExceeded(f"deadline exceeded during a {self.kind} round") from exc
                     if exc.code() in REPLICA_FAULT:
                         log.warning("%s replica fault (%s): session %s restarts from scratch", self.kind, last_error,
                                     session.session_id)

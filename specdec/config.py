@@ -85,6 +85,11 @@ class CoordinatorConfig:
     """Generate streams served at once; beyond: RESOURCE_EXHAUSTED with a retry hint."""
     max_streams_per_client: int = 16
     """Generate streams one client (its token, else its address) may hold at once."""
+    rate_limit_per_client: float = 0.0
+    """Requests per second one client may start (0: no limit); beyond it a request waits up
+    to rate_limit_wait_s, then gets RESOURCE_EXHAUSTED with a retry hint."""
+    rate_limit_wait_s: float = 0.5
+    """How long a request may queue for its client's rate limit."""
     max_new_tokens_limit: int = 4096
     """Largest max_new_tokens a request may ask for."""
     max_stop_strings: int = 16

@@ -36,6 +36,12 @@ class FailedPrecondition(SpecdecError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class DeadlineExceeded(SpecdecError):
+    """The client's deadline passed before the request could finish."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 class Unavailable(SpecdecError):
     """A worker the request needs cannot be reached."""
 
