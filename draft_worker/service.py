@@ -24,11 +24,11 @@ NGRAM_TOKEN_BYTES = 8  # one Python int per context token, roughly
 
 
 class DraftWorkerServicer(SessionWorkerRpcs, draft_pb2_grpc.DraftWorkerServicer):
-    def __init__(self, proposer: Proposer, info: common_pb2.WorkerInfo):
+    def __init__(self, proposer: Proposer, info: common_pb2.WorkerInfo, thread: ModelThread | None = None):
         self.proposer = proposer
         self.store = proposer.store
         self._info = info
-        self.thread = ModelThread("draft")
+        self.thread = thread or ModelThread("draft")
 
     async def Propose(self, request: draft_pb2.ProposeRequest,
                       context: grpc.aio.ServicerContext) -> draft_pb2.ProposeResponse:
@@ -50,20 +50,24 @@ class DraftWorkerServicer(SessionWorkerRpcs, draft_pb2_grpc.DraftWorkerServicer)
 
 
 def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> DraftWorkerServicer:
-    """Builds the drafter named by config.model (loading a model unless given one)."""
+    """Builds the drafter named by config.model (loading a model unless given one, on the
+    model thread that runs it afterwards: see ModelThread.call)."""
+    thread = ModelThread("draft")
     if config.model == NGRAM and model is None:
         drafter = NgramDrafter()
         info = common_pb2.WorkerInfo(model=NGRAM)
         bytes_per_token = NGRAM_TOKEN_BYTES
     else:
-        if model is None:
-            model, tokenizer = load_model(config.model, device=config.device)
-        lm = serving_lm(model, config.cpu_fast_path)
+        def load():
+            loaded, loaded_tokenizer = (model, tokenizer) if model is not None else load_model(config.model,
+                                                                                              device=config.device)
+            return serving_lm(loaded, config.cpu_fast_path), model_info(config.model, loaded, loaded_tokenizer)
+
+        lm, info = thread.call(load)
         drafter = ModelDrafter(config.model, lm)
-        info = model_info(config.model, model, tokenizer)
         bytes_per_token = lm.bytes_per_token
     store = SessionStore(config.max_sessions, config.max_cache_bytes, bytes_per_token)
-    return DraftWorkerServicer(Proposer(drafter, store, config.max_k), info)
+    return DraftWorkerServicer(Proposer(drafter, store, config.max_k), info, thread)
 
 
 async def serve(config: WorkerConfig, servicer: DraftWorkerServicer | None = None) -> RunningServer:

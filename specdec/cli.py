@@ -3,6 +3,7 @@
     specdec up [--port P] [--target MODEL] [--draft MODEL|ngram|none] [--k K]
     specdec serve coordinator|draft|target ...
     specdec generate [--addr HOST:PORT] [--max-new-tokens N] [--k K] [--no-speculation] [--raw] [--json] PROMPT
+    specdec bench [--quick] [--target MODEL] [--draft MODEL] [--k K] [--threads N] [--out DIR]
 
 This is the one place that reads flags and the environment into the typed configs.
 """
@@ -79,6 +80,8 @@ def _add_coordinator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-streams-per-client", type=int, default=16,
                         help="streams one client (token, else address) may hold at once")
     parser.add_argument("--max-prompt-tokens", type=int, default=32768, help="longest prompt accepted")
+    parser.add_argument("--rate-limit", type=float, default=0.0,
+                        help="requests per second one client may start; 0: no limit")
     parser.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens accepted")
 
 
@@ -92,6 +95,7 @@ def _coordinator_config(args, target_addr: str, draft_addr: str | None, tokenize
         auth_tokens_env=os.environ.get("SPECDEC_AUTH_TOKENS", ""),
         max_concurrent_requests=args.max_concurrent_requests, max_streams_per_client=args.max_streams_per_client,
         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
+        rate_limit_per_client=args.rate_limit,
     )
 
 
@@ -174,6 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a /metrics URL (repeatable; default http://127.0.0.1:9090/metrics)")
     top.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     top.add_argument("--once", action="store_true", help="print one view and exit")
+
+    bench = commands.add_parser("bench", help="measure specdec against HF generate() and assisted generation")
+    from specdec.bench.cli import add_arguments as add_bench_arguments
+
+    add_bench_arguments(bench)
 
     certs = commands.add_parser("certs", help="make a development CA, server and client certificates")
     certs.add_argument("--out", required=True, help="directory to write ca.pem, server.pem/.key, client.pem/.key")
@@ -336,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
 
     runners = {"up": _run_up, "serve": _run_serve, "generate": _run_generate, "certs": _run_certs, "top": _run_top}
     try:
+        if args.command == "bench":  # synchronous: it drives its own event loop and processes
+            from specdec.bench.cli import run as run_bench
+
+            return run_bench(args)
         return asyncio.run(runners[args.command](args))
     except grpc.aio.AioRpcError as exc:
         print(f"{exc.code().name}: {exc.details()}", file=sys.stderr)

@@ -3,8 +3,8 @@ than a 1-token step on CPU, which is the ratio speculation lives on.
 
 Measured on the 2-core AMD EPYC of DESIGN.md (SmolLM2-135M fp32, 2 threads, 200-token
 context), a forward pass over n new tokens relative to n = 1 is 1.5–2× at n = 5 on the stock
-MKL path: MKL's fp32 GEMM for a handful of rows on this CPU is slow (the 49152×576 output
-layer alone takes ~8 ms at 1 row and ~39 ms at 5). oneDNN's packed-weight linear
+MKL path: MKL's fp32 GEMM for a handful of rows is slow on this CPU (the 49152×576 output
+layer measured several times slower at 5 rows than at 1). oneDNN's packed-weight linear
 (`mkldnn._reorder_linear_weight` once, `mkldnn._linear_pointwise` per call) is as fast at 1
 row and nearly flat in rows. Three things are done, each exact in intent and each checked
 token for token against the plain model by the tests (tests/test_cpu_fast.py):
@@ -14,16 +14,21 @@ token for token against the plain model by the tests (tests/test_cpu_fast.py):
    and values `num_heads / num_kv_heads` times per layer per verification (transformers
    does that copy whenever a mask is passed, i.e. for every multi-token block with a cache;
    the results are bit-identical, it only saves the copies);
-3. KV caches grow into preallocated buffers (`BufferedCache`) instead of `torch.cat`-ing the
-   whole context onto itself every step.
+3. KV caches grow into preallocated buffers (`BufferedLayer`, made by `new_cache`) instead of
+   `torch.cat`-ing the whole context onto itself every step.
 
 Packed linears do change float rounding (a different GEMM kernel sums in a different order):
-logits differ from the MKL path by ~1e-6 relative; greedy choices flip only at near-exact
-ties. `torch.compile` was tried and does not pay here (see the report in benchmarks/).
+SmolLM2-135M logits move by a few 1e-6 of the largest logit, the same order as MKL's own
+difference between a batched and a step-by-step forward; a greedy choice can only flip at a
+near-exact tie, and `serving_lm` checks the copy against the plain model at load time.
+`torch.compile` is not used (not tried): a 1-token step is bound by reading the fp32 weights
+(~540 MB per step; ~21 ms here, ~25 GB/s), which leaves little for fusing the small ops to win
+against a recompile per context length. `benchmarks/cpu_fast_path.py` measures each stage.
 
-`fast_cpu_model` never modifies the model it is given: it returns a shallow copy whose
-modules are new objects sharing the original's parameters (packed weights are the one extra
-copy), so the caller can keep the plain model as a reference.
+`fast_cpu_model` never modifies the model it is given: it returns a copy whose modules are
+new objects sharing the original's parameters, except that linear weights are held only in
+packed form, so the caller can keep the plain model as a reference (and a worker that drops
+it holds each weight once).
 """
 
 from __future__ import annotations
@@ -48,6 +53,10 @@ CPU_ATTENTION = "specdec_cpu_sdpa"
 KV_BLOCK_TOKENS = 256
 KV_GROWTH = 1.5
 PACKABLE_DTYPES = (torch.float32,)
+# The load-time self-check: tokens run through both models, and the largest logit difference
+# allowed relative to the largest logit (packed linears differ by float32 rounding only).
+SELF_CHECK_TOKENS = 8
+SELF_CHECK_TOLERANCE = 1e-3
 
 
 class PackedLinear(torch.nn.Module):
@@ -62,9 +71,9 @@ class PackedLinear(torch.nn.Module):
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
-        # Readers of `.weight` (vocabulary size, tied embeddings) still find the original,
-        # shared with the plain model: no extra memory.
-        self.weight = linear.weight
+        # Readers of `.weight` (the vocabulary size) find its shape; the plain weight is not
+        # kept, so a worker that drops the plain model frees it (no doubled memory).
+        self.weight = torch.empty(linear.weight.shape, dtype=linear.weight.dtype, device="meta")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -165,8 +174,27 @@ def serving_lm(model: torch.nn.Module, enabled: bool = True) -> CausalLM:
     if enabled:
         fast = fast_cpu_model(model)
         if fast is not model:
-            return CausalLM(fast, new_cache=new_cache)
+            if agrees(model, fast):
+                return CausalLM(fast, new_cache=new_cache)
+            log.warning("CPU fast path off for %s: its logits differ from the plain model's", type(model).__name__)
     return CausalLM(model)
+
+
+@torch.inference_mode()
+def agrees(model: torch.nn.Module, fast: torch.nn.Module) -> bool:
+    """A load-time check of the copy on a short input: logits within SELF_CHECK_TOLERANCE
+    of the largest; False also when the copy fails to run (say, a model that reads a
+    linear's `.weight` itself instead of calling the module)."""
+    try:
+        vocab = model.get_input_embeddings().num_embeddings
+        ids = torch.arange(SELF_CHECK_TOKENS)[None] % vocab  # [1, n]
+        plain_logits = model(input_ids=ids).logits.float()  # [1, n, V]
+        fast_logits = fast(input_ids=ids).logits.float()
+    except Exception as exc:  # noqa: BLE001 - any failure means "do not serve the copy"
+        log.warning("CPU fast path self-check failed: %s", exc)
+        return False
+    scale = plain_logits.abs().max().clamp_min(1e-6)
+    return bool((plain_logits - fast_logits).abs().max() <= SELF_CHECK_TOLERANCE * scale)
 
 
 def new_cache(config):
@@ -219,8 +247,3 @@ class BufferedLayer(DynamicLayer):
             values[..., :length, :] = self.values
         self._key_buffer, self._value_buffer = keys, values
 
-
-def set_threads(threads: int | None) -> None:
-    """Pins torch's intra-op pool (oneDNN and MKL use it); None leaves torch's default."""
-    if threads is not None:
-        torch.set_num_threads(threads)

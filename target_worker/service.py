@@ -22,11 +22,11 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
 
 
 class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServicer):
-    def __init__(self, verifier: Verifier, info: common_pb2.WorkerInfo):
+    def __init__(self, verifier: Verifier, info: common_pb2.WorkerInfo, thread: ModelThread | None = None):
         self.verifier = verifier
         self.store = verifier.store
         self._info = info
-        self.thread = ModelThread("target")
+        self.thread = thread or ModelThread("target")
 
     async def Verify(self, request: target_pb2.VerifyRequest,
                      context: grpc.aio.ServicerContext) -> target_pb2.VerifyResponse:
@@ -52,12 +52,18 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
 
 
 def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> TargetWorkerServicer:
-    """Loads the model (unless given one) and wires the verifier."""
-    if model is None:
-        model, tokenizer = load_model(config.model, device=config.device)
-    lm = serving_lm(model, config.cpu_fast_path)
+    """Loads the model (unless given one) and wires the verifier. Loading runs on the
+    model thread, like every forward pass after it (see ModelThread.call)."""
+    thread = ModelThread("target")
+
+    def load():
+        loaded, loaded_tokenizer = (model, tokenizer) if model is not None else load_model(config.model,
+                                                                                          device=config.device)
+        return serving_lm(loaded, config.cpu_fast_path), model_info(config.model, loaded, loaded_tokenizer)
+
+    lm, info = thread.call(load)
     store = SessionStore(config.max_sessions, config.max_cache_bytes, lm.bytes_per_token)
-    return TargetWorkerServicer(Verifier(lm, store, config.max_k), model_info(config.model, model, tokenizer))
+    return TargetWorkerServicer(Verifier(lm, store, config.max_k), info, thread)
 
 
 async def serve(config: WorkerConfig, servicer: TargetWorkerServicer | None = None) -> RunningServer:

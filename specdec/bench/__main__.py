@@ -1,0 +1,5 @@
+import sys
+
+from specdec.bench.cli import main
+
+sys.exit(main())

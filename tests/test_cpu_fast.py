@@ -1,0 +1,149 @@
+"""The CPU fast path (specdec.cpu_fast): the same logits within float rounding and the same
+greedy tokens as the plain model, the plain model left untouched, and models it cannot pack
+served as they are.
+
+Tolerance: packed linears sum in a different order than MKL, so logits may differ by float32
+rounding; LOGIT_TOLERANCE bounds that relative to the largest logit (measured: 0 on these
+tiny models, ~1e-5 relative on SmolLM2-135M).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.cpu_fast import (
+    CPU_ATTENTION, KV_BLOCK_TOKENS, BufferedLayer, PackedLinear, agrees, fast_cpu_model, serving_lm,
+)
+from specdec.lm import CausalLM
+from specdec.sessions import Session
+from tests.factories import make_tiny_model, make_tiny_tokenizer
+from tests.harness import reference_greedy
+
+LOGIT_TOLERANCE = 1e-4  # relative to max |logit|
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def plain(tokenizer):
+    # 300 positions: long enough to grow a KV buffer past its first block.
+    return make_tiny_model(tokenizer, seed=0, layers=2, max_positions=KV_BLOCK_TOKENS + 64)
+
+
+def prompt_ids(tokenizer, n: int, seed: int = 0) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, len(tokenizer), (n,), generator=generator).tolist()
+
+
+def assert_close_logits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    scale = expected.abs().max().item()
+    assert (actual - expected).abs().max().item() <= LOGIT_TOLERANCE * scale
+
+
+def greedy_through(lm: CausalLM, ids: list[int], max_new: int, eos: int) -> list[int]:
+    """Greedy decoding through the serving interface: one feed per token, on a session cache."""
+    session = Session("s")
+    session.cache = lm._new_cache()
+    out: list[int] = []
+    feed = list(ids)
+    for _ in range(max_new):
+        token = int(torch.argmax(lm.feed(session, feed, logits_to_keep=1)[-1]))
+        out.append(token)
+        if token == eos:
+            break
+        feed = [token]
+    return out
+
+
+def test_fast_model_packs_every_linear_and_switches_attention(plain):
+    fast = fast_cpu_model(plain)
+    assert not any(type(m) is torch.nn.Linear for m in fast.modules())
+    assert sum(isinstance(m, PackedLinear) for m in fast.modules()) == 2 * 7 + 1  # q k v o gate up down, lm_head
+    assert fast.config._attn_implementation == CPU_ATTENTION
+
+
+def test_plain_model_is_left_untouched(plain, tokenizer):
+    ids = torch.tensor([prompt_ids(tokenizer, 40)])
+    with torch.inference_mode():
+        before = plain(ids).logits
+        fast_cpu_model(plain)
+        after = plain(ids).logits
+    assert plain.config._attn_implementation == "sdpa"
+    assert all(type(m) is not PackedLinear for m in plain.modules())
+    assert torch.equal(before, after)
+
+
+def test_prefill_logits_match_plain_model(plain, tokenizer):
+    ids = torch.tensor([prompt_ids(tokenizer, 120)])
+    with torch.inference_mode():
+        assert_close_logits(fast_cpu_model(plain)(ids).logits, plain(ids).logits)
+
+
+def test_cached_block_logits_match_plain_model_across_buffer_growth_and_crops(plain, tokenizer):
+    # A verification-shaped workload: blocks of 5 on a growing cache, rolled back and re-fed,
+    # past the first KV block (the buffer regrows and copies).
+    ids = prompt_ids(tokenizer, KV_BLOCK_TOKENS + 40, seed=1)
+    fast, reference = serving_lm(plain), CausalLM(plain)
+    sessions = {}
+    for name, lm in (("fast", fast), ("plain", reference)):
+        session = Session(name)
+        session.cache = lm._new_cache()
+        lm.feed(session, ids[:KV_BLOCK_TOKENS - 10], logits_to_keep=1)
+        sessions[name] = session
+    assert any(isinstance(layer, BufferedLayer) for layer in sessions["fast"].cache.layers)
+    position = KV_BLOCK_TOKENS - 10
+    while position + 5 <= len(ids):
+        block = ids[position:position + 5]
+        got = fast.feed(sessions["fast"], block, logits_to_keep=5)  # [5, V]
+        want = reference.feed(sessions["plain"], block, logits_to_keep=5)
+        assert_close_logits(got, want)
+        # Keep 3 of the 5, as a round that accepted 2 drafts would.
+        fast.crop(sessions["fast"], position + 3)
+        reference.crop(sessions["plain"], position + 3)
+        position += 3
+
+
+def test_greedy_tokens_equal_plain_generate(plain, tokenizer):
+    eos = tokenizer.eos_token_id
+    for seed in range(3):
+        ids = prompt_ids(tokenizer, 30, seed=seed)
+        assert greedy_through(serving_lm(plain), ids, MAX_NEW, eos) == reference_greedy(plain, ids, MAX_NEW)
+
+
+def test_hf_generate_on_fast_model_equals_plain(plain, tokenizer):
+    # The bench runs HF generate() and prompt lookup on the fast-path model too.
+    ids = prompt_ids(tokenizer, 30, seed=5)
+    fast = fast_cpu_model(plain)
+    assert reference_greedy(fast, ids, MAX_NEW) == reference_greedy(plain, ids, MAX_NEW)
+
+
+def test_unpackable_dtype_is_served_as_it_is(tokenizer):
+    model = make_tiny_model(tokenizer).to(torch.bfloat16)
+    assert fast_cpu_model(model) is model
+    lm = serving_lm(model)
+    assert lm.model is model and lm._cache_factory is None
+
+
+def test_model_without_linear_layers_keeps_its_output():
+    # GPT-2 projects with Conv1D, not nn.Linear: only its lm_head packs; output unchanged.
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                       bos_token_id=0, eos_token_id=0)).eval()
+    ids = list(range(5, 45))
+    fast = fast_cpu_model(model)
+    with torch.inference_mode():
+        assert_close_logits(fast(torch.tensor([ids])).logits, model(torch.tensor([ids])).logits)
+    assert greedy_through(serving_lm(model), ids, 12, eos=0) == reference_greedy(model, ids, 12)
+
+
+def test_self_check_accepts_the_copy_and_rejects_another_model(plain, tokenizer):
+    assert agrees(plain, fast_cpu_model(plain))
+    other = make_tiny_model(tokenizer, seed=7, layers=2, max_positions=KV_BLOCK_TOKENS + 64)
+    assert not agrees(plain, fast_cpu_model(other))
