@@ -66,6 +66,9 @@ def decode(lm, prompt_ids: list[int], k: int, eos: int) -> dict:
         verdict = verifier.verify("s", sent, committed[sent:], drafts)
         sent = len(committed)
         new = drafts[:verdict.accepted] + [verdict.next_token]
+        if eos in new:  # what follows the end of the text is not output
+            new = new[:new.index(eos) + 1]
+        new = new[:MAX_NEW - len(out)]
         committed += new
         out += new
         if eos in new:
