@@ -105,7 +105,10 @@ class RoundRunner:
                 room = plan.max_context - len(committed)
                 # Never draft past what may be generated or what fits the context: the
                 # target adds one token of its own per round.
-                k = min(adaptive.next_k(), remaining - 1, room - 1) if use_draft else 0
+                # Under load a draft token delays every request in the step: its price comes
+                # from the target's measured step costs (coordinator.adaptive.StepCostModel).
+                k = (min(adaptive.next_k(self.target.draft_token_cost(target_session)), remaining - 1, room - 1)
+                     if use_draft else 0)
                 drafts = await self._propose(draft_session, committed, k, stats) if k > 0 else []
                 verdict = await self.target.verify(target_session, committed, drafts, sampling)
                 stats.rounds += 1

@@ -137,8 +137,9 @@ async def connect(config: CoordinatorConfig, tokenizer=None, startup_timeout_s: 
     client_args = dict(timeout_s=config.worker_timeout_s, retries=config.worker_retries,
                        backoff_s=config.retry_backoff_s, max_message_bytes=config.server.max_message_bytes,
                        resolve_interval_s=config.resolve_interval_s, health_interval_s=config.health_interval_s,
-                       resolver=resolver, tls=config.worker_tls)
-    target = TargetClient(config.target_addr, **client_args)
+                       resolver=resolver, tls=config.worker_tls, batching=config.batching,
+                       step_token_budget=config.step_token_budget, max_batch_rounds=config.max_batch_rounds)
+    target = TargetClient(config.target_addr, prefill_chunk=config.prefill_chunk_tokens, **client_args)
     draft = DraftClient(config.draft_addr, **client_args) if config.draft_addr else None
     try:
         target_info = await target.info(startup_timeout_s)

@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from coordinator.adaptive import DRAFT_TOKEN_COST, StepCostModel
 from coordinator.pool import Replica, WorkerPool, resolve_dns
+from coordinator.scheduler import RoundFailed, StepBatcher
 from specdec.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from specdec.logs import REQUEST_ID_KEY
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -81,7 +83,7 @@ class WorkerClient:
 
     def __init__(self, endpoints: str, timeout_s: float, retries: int, backoff_s: float, max_message_bytes: int,
                  resolve_interval_s: float = 5.0, health_interval_s: float = 1.0, resolver=resolve_dns,
-                 tls=None):
+                 tls=None, batching: bool = True, step_token_budget: int = 512, max_batch_rounds: int = 32):
         self.timeout_s = timeout_s
         # The draft's deadline is short: waiting long for a suggestion defeats its purpose.
         self.call_timeout_s = min(timeout_s, DRAFT_TIMEOUT_S) if not self.patient else timeout_s
@@ -94,6 +96,11 @@ class WorkerClient:
         self.pool = WorkerPool(self.kind, endpoints, self.service_name, channel_options(max_message_bytes),
                                resolve_interval_s, health_interval_s, resolver, admit=self._admit, tls=tls)
         self._stubs: dict[str, object] = {}
+        # Continuous batching (coordinator.scheduler): one StepBatcher per replica address.
+        self.batching = batching
+        self.step_token_budget = step_token_budget
+        self.max_batch_rounds = max_batch_rounds
+        self._batchers: dict[str, StepBatcher] = {}
 
     def _make_stub(self, channel):
         raise NotImplementedError
@@ -108,7 +115,51 @@ class WorkerClient:
         await self.pool.start()
 
     async def close(self) -> None:
+        for batcher in list(self._batchers.values()):
+            await batcher.close()
         await self.pool.close()
+
+    def _batcher(self, replica: Replica) -> StepBatcher:
+        batcher = self._batchers.get(replica.address)
+        if batcher is None:
+            address = replica.address
+
+            async def send(requests: list, timeout_s: float):
+                current = self.pool.replicas.get(address)
+                if current is None:
+                    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                               f"replica {address} left the pool")
+                return await self._send_batch(self.stub(current), requests, timeout_s)
+
+            batcher = self._batchers[address] = StepBatcher(
+                self.kind, send, self.step_token_budget, self.max_batch_rounds,
+                on_step=lambda response, rounds: self._on_step(address, response, rounds))
+        return batcher
+
+    async def _send_batch(self, stub, requests: list, timeout_s: float):
+        raise NotImplementedError
+
+    def _on_step(self, address: str, response, rounds: int) -> None:
+        """Sees each batched step's response (the target learns its step costs)."""
+
+    @staticmethod
+    def _round_tokens(request) -> int:
+        """What a round adds to a step's token budget."""
+        return len(request.delta.tokens)
+
+    async def _call(self, replica: Replica, request, timeout: float, session: WorkerSession, method: str):
+        """One round's worker call: queued into the replica's next batched step, or (with
+        batching off) a call of its own. Per-round errors raise RoundFailed."""
+        if not self.batching:
+            return await getattr(self.stub(replica), method)(
+                request, timeout=timeout, metadata=((REQUEST_ID_KEY, session.request_id),))
+        try:
+            response = await self._batcher(replica).submit(request, self._round_tokens(request), timeout)
+        except TimeoutError as exc:
+            raise RoundFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout:.3g} s") from exc
+        if response.WhichOneof("result") == "error":
+            raise RoundFailed(response.error.code, response.error.message)
+        return response
 
     async def _admit(self, replica: Replica) -> bool:
         """A replica joins only if it serves the tokenizer the coordinator checked at start."""
@@ -175,15 +226,15 @@ class WorkerClient:
         while True:
             replica = await self._replica(session, attempt)
             if replica is not None:
-                delta = common_pb2.SessionDelta(session_id=session.session_id, start=start, tokens=committed[start:])
+                delta = common_pb2.SessionDelta(session_id=session.session_id, start=start, tokens=committed[start:],
+                                                request_id=session.request_id)
                 request = make_request(delta)
                 try:
                     timeout = self.call_timeout_s
                     if session.deadline is not None:
                         timeout = min(timeout, max(0.001, session.deadline - loop.time()))
-                    response = await getattr(self.stub(replica), method)(
-                        request, timeout=timeout, metadata=((REQUEST_ID_KEY, session.request_id),))
-                except grpc.aio.AioRpcError as exc:
+                    response = await self._call(replica, request, timeout, session, method)
+                except (grpc.aio.AioRpcError, RoundFailed) as exc:
                     last_error = f"{replica.address}: {exc.code().name}: {exc.details()}"
                     if session.deadline is not None and loop.time() >= session.deadline:
                         # The client's deadline ran out, not the replica: leave it in the pool.
@@ -226,6 +277,9 @@ class DraftClient(WorkerClient):
     def _make_stub(self, channel):
         return draft_pb2_grpc.DraftWorkerStub(channel)
 
+    async def _send_batch(self, stub, requests: list, timeout_s: float):
+        return await stub.ProposeBatch(draft_pb2.ProposeBatchRequest(rounds=requests), timeout=timeout_s)
+
     async def propose(self, session: WorkerSession, committed: list[int], k: int) -> draft_pb2.DraftBlock:
         return await self._round(session, committed, lambda delta: draft_pb2.ProposeRequest(delta=delta, k=k),
                                  "Propose")
@@ -238,8 +292,38 @@ class TargetClient(WorkerClient):
     def _make_stub(self, channel):
         return target_pb2_grpc.TargetWorkerStub(channel)
 
+    def __init__(self, *args, prefill_chunk: int = 256, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Longest run of committed tokens one round sends while batching (see verify).
+        self.prefill_chunk = prefill_chunk
+        self.costs: dict[str, StepCostModel] = {}
+
+    async def _send_batch(self, stub, requests: list, timeout_s: float):
+        return await stub.VerifyBatch(target_pb2.VerifyBatchRequest(rounds=requests), timeout=timeout_s)
+
+    def _on_step(self, address: str, response, rounds: int) -> None:
+        self.costs.setdefault(address, StepCostModel()).observe(response.rows, response.step_s, rounds)
+
+    @staticmethod
+    def _round_tokens(request) -> int:
+        return len(request.delta.tokens) + len(request.draft_tokens)
+
+    def draft_token_cost(self, session: WorkerSession) -> float:
+        """What one draft token costs now on the replica serving the session, in its steps
+        (coordinator.adaptive.StepCostModel); the one-request figure before any step."""
+        model = self.costs.get(session.replica) if session.replica else None
+        return model.draft_token_cost() if model is not None else DRAFT_TOKEN_COST
+
     async def verify(self, session: WorkerSession, committed: list[int], drafts: list[int],
                      sampling: common_pb2.SamplingParams | None = None) -> target_pb2.Verdict:
+        if self.batching:
+            # Chunked prefill: a long run of committed tokens (a new prompt, a resync) goes
+            # prefill_chunk tokens per step, so it never makes one step long for every other
+            # request in it. The target's answers to the partial prefixes are not used.
+            while len(committed) - min(session.sent, len(committed) - 1) > self.prefill_chunk + 1:
+                end = min(session.sent, len(committed) - 1) + self.prefill_chunk
+                await self._round(session, committed[:end],
+                                  lambda delta: target_pb2.VerifyRequest(delta=delta), "Verify")
         return await self._round(
             session, committed,
             lambda delta: target_pb2.VerifyRequest(delta=delta, draft_tokens=drafts, sampling=sampling), "Verify",

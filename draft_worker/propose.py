@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 
 from draft_worker.drafters.base import Drafter
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, SpecdecError
 from specdec.sessions import Resync, SessionStore
 
 
@@ -16,6 +16,22 @@ class Proposal:
     compute_s: float
 
 
+@dataclass(frozen=True)
+class Request:
+    """One session's round as the coordinator sent it."""
+
+    session_id: str
+    start: int
+    tokens: list[int]
+    k: int
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    results: list  # per round: Proposal | Resync | the exception that round raised
+    step_s: float
+
+
 class Proposer:
     def __init__(self, drafter: Drafter, store: SessionStore, max_k: int):
         self.drafter = drafter
@@ -23,14 +39,47 @@ class Proposer:
         self.max_k = max_k
 
     def propose(self, session_id: str, start: int, tokens: list[int], k: int) -> Proposal | Resync:
+        """One round alone (the unary Propose rpc); errors raise."""
+        result = self.propose_batch([Request(session_id, start, tokens, k)]).results[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def propose_batch(self, requests: list[Request]) -> BatchOutcome:
+        """Many sessions' rounds at once; each result is what the round alone would give
+        (an invalid round gets its own error and never fails the others)."""
         began = time.perf_counter()
-        if not 1 <= k <= self.max_k:
-            raise InvalidArgument(f"k must be in 1..{self.max_k}, got {k}")
-        if any(t < 0 for t in tokens):
-            raise InvalidArgument("delta.tokens: token ids must be non-negative")
-        synced = self.store.sync(session_id, start, tokens)
-        if isinstance(synced, Resync):
-            return synced
-        proposal = self.drafter.propose(synced, k)
-        self.store.enforce_budget(keep=session_id)
-        return Proposal(proposal, time.perf_counter() - began)
+        results: list = [None] * len(requests)
+        ready: list[tuple[int, object]] = []
+        seen: set[str] = set()
+        for i, req in enumerate(requests):
+            try:
+                if req.session_id in seen:
+                    raise InvalidArgument(f"session {req.session_id!r} has more than one round in the batch")
+                seen.add(req.session_id)
+                if not 1 <= req.k <= self.max_k:
+                    raise InvalidArgument(f"k must be in 1..{self.max_k}, got {req.k}")
+                if any(t < 0 for t in req.tokens):
+                    raise InvalidArgument("delta.tokens: token ids must be non-negative")
+                synced = self.store.sync(req.session_id, req.start, req.tokens)
+            except SpecdecError as exc:
+                results[i] = exc
+                continue
+            if isinstance(synced, Resync):
+                results[i] = synced
+            else:
+                ready.append((i, synced))
+        if ready:
+            try:
+                proposals = self.drafter.propose_batch([s for _, s in ready], [requests[i].k for i, _ in ready])
+            except Exception as exc:  # noqa: BLE001 - every round of the step failed alike
+                for i, synced in ready:
+                    results[i] = exc
+                    self.store.release(synced.session.session_id)  # its cache is suspect
+                ready, proposals = [], []
+            elapsed = time.perf_counter() - began
+            for (i, synced), proposal in zip(ready, proposals):
+                results[i] = Proposal(proposal, elapsed)
+            for _, synced in ready:
+                self.store.enforce_budget(keep=synced.session.session_id)
+        return BatchOutcome(results, time.perf_counter() - began)

@@ -8,15 +8,16 @@ import grpc
 
 from draft_worker.drafters.model import ModelDrafter
 from draft_worker.drafters.ngram import NgramDrafter
-from draft_worker.propose import Proposer
+from draft_worker.propose import Proposer, Request
 from specdec import logs, metrics
 from specdec.config import WorkerConfig
 from specdec.cpu_fast import serving_lm
+from specdec.errors import InvalidArgument
 from specdec.models import NGRAM, load_model
 from specdec.serving import ModelThread, RunningServer, start_server
 from specdec.sessions import Resync, SessionStore
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.worker_info import SessionWorkerRpcs, model_info
+from specdec.worker_info import DEFAULT_MAX_BATCH_ROUNDS, SessionWorkerRpcs, model_info, round_error
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
@@ -29,6 +30,7 @@ class DraftWorkerServicer(SessionWorkerRpcs, draft_pb2_grpc.DraftWorkerServicer)
         self.store = proposer.store
         self._info = info
         self.thread = thread or ModelThread("draft")
+        self.max_batch_rounds = info.max_batch_rounds or DEFAULT_MAX_BATCH_ROUNDS
 
     async def Propose(self, request: draft_pb2.ProposeRequest,
                       context: grpc.aio.ServicerContext) -> draft_pb2.ProposeResponse:
@@ -49,6 +51,35 @@ class DraftWorkerServicer(SessionWorkerRpcs, draft_pb2_grpc.DraftWorkerServicer)
         return draft_pb2.ProposeResponse(block=draft_pb2.DraftBlock(tokens=result.tokens, compute_s=result.compute_s))
 
 
+    async def ProposeBatch(self, request: draft_pb2.ProposeBatchRequest,
+                           context: grpc.aio.ServicerContext) -> draft_pb2.ProposeBatchResponse:
+        if len(request.rounds) > self.max_batch_rounds:
+            raise InvalidArgument(f"rounds: {len(request.rounds)} exceeds the limit of {self.max_batch_rounds}")
+        requests = [Request(r.delta.session_id, r.delta.start, list(r.delta.tokens), r.k) for r in request.rounds]
+        evictions = self.store.evictions
+        with metrics.worker_call("draft", "ProposeBatch", len(requests)):
+            outcome = await self.thread.run(self.proposer.propose_batch, requests)
+        metrics.observe_batch("draft", len(requests))
+        await self.thread.run(metrics.observe_store, "draft", self.store, evictions)
+        response = draft_pb2.ProposeBatchResponse(step_s=outcome.step_s)
+        for r, result in zip(request.rounds, outcome.results):
+            # Each round is logged under its own request's id (the call carries many).
+            logs.request_id.set(r.delta.request_id)
+            log.debug("propose %s: start %d, %d new tokens, k %d -> %s", r.delta.session_id, r.delta.start,
+                      len(r.delta.tokens), r.k, result)
+            item = response.results.add()
+            if isinstance(result, Resync):
+                metrics.WORKER_RESYNCS.labels("draft").inc()
+                item.resync.cached_len = result.cached_len
+            elif isinstance(result, BaseException):
+                item.error.CopyFrom(round_error(result, r.delta.request_id))
+            else:
+                item.block.CopyFrom(draft_pb2.DraftBlock(tokens=result.tokens, compute_s=result.compute_s))
+        logs.request_id.set("")
+        log.debug("propose batch: %d rounds, %.1f ms", len(requests), outcome.step_s * 1e3)
+        return response
+
+
 def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> DraftWorkerServicer:
     """Builds the drafter named by config.model (loading a model unless given one, on the
     model thread that runs it afterwards: see ModelThread.call)."""
@@ -66,6 +97,7 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> DraftWor
         lm, info = thread.call(load)
         drafter = ModelDrafter(config.model, lm)
         bytes_per_token = lm.bytes_per_token
+    info.max_batch_rounds = config.max_batch_rounds
     store = SessionStore(config.max_sessions, config.max_cache_bytes, bytes_per_token)
     return DraftWorkerServicer(Proposer(drafter, store, config.max_k), info, thread)
 

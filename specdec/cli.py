@@ -83,6 +83,13 @@ def _add_coordinator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate-limit", type=float, default=0.0,
                         help="requests per second one client may start; 0: no limit")
     parser.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens accepted")
+    parser.add_argument("--no-batching", action="store_true",
+                        help="one worker call per round instead of batched steps (continuous batching off)")
+    parser.add_argument("--step-token-budget", type=int, default=512,
+                        help="tokens (uncached committed + drafts) one batched step carries, about")
+    parser.add_argument("--max-batch-rounds", type=int, default=32, help="most requests' rounds in one step")
+    parser.add_argument("--prefill-chunk", type=int, default=256,
+                        help="longest piece of a prompt one step prefills (bounds others' latency)")
 
 
 def _coordinator_config(args, target_addr: str, draft_addr: str | None, tokenizer: str, worker_tls=None):
@@ -95,7 +102,9 @@ def _coordinator_config(args, target_addr: str, draft_addr: str | None, tokenize
         auth_tokens_env=os.environ.get("SPECDEC_AUTH_TOKENS", ""),
         max_concurrent_requests=args.max_concurrent_requests, max_streams_per_client=args.max_streams_per_client,
         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
-        rate_limit_per_client=args.rate_limit,
+        rate_limit_per_client=args.rate_limit, batching=not args.no_batching,
+        step_token_budget=args.step_token_budget, max_batch_rounds=args.max_batch_rounds,
+        prefill_chunk_tokens=args.prefill_chunk,
     )
 
 

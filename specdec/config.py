@@ -51,6 +51,8 @@ class WorkerConfig:
     """Most draft tokens per round."""
     device: str = "cpu"
     """Torch device for the model."""
+    max_batch_rounds: int = 64
+    """Most rounds (sessions) one VerifyBatch / ProposeBatch call may carry."""
     cpu_fast_path: bool = True
     """On CPU, serve a copy of the model with oneDNN-packed linears, grouped-query attention
     inside SDPA and buffered KV caches (specdec.cpu_fast); no effect on other devices."""
@@ -106,3 +108,12 @@ class CoordinatorConfig:
     """How often endpoint names are re-resolved, so replicas that come and go are seen."""
     health_interval_s: float = 1.0
     """How often every replica's health service is polled."""
+    batching: bool = True
+    """Continuous batching: rounds of many requests go to a worker as one batched step
+    (coordinator.scheduler); False: one call per round."""
+    step_token_budget: int = 512
+    """Tokens (uncached committed + drafts) one step carries, about (one larger round goes alone)."""
+    max_batch_rounds: int = 32
+    """Most rounds in one step (workers accept 64 by default)."""
+    prefill_chunk_tokens: int = 256
+    """Longest run of prompt tokens one step prefills, so a long prompt never stalls the others."""

@@ -43,7 +43,9 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from specdec import ragged
 from specdec.lm import CausalLM
+from specdec.ragged import ragged_attention
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +124,11 @@ def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
 
     query: [batch, heads, q, head_dim]; key, value: [batch, kv_heads, kv, head_dim];
     attention_mask: bool [batch, 1, q, kv] or None. Returns [batch, q, heads, head_dim].
+    Inside a packed multi-session forward (specdec.ragged) each session attends to its own
+    cache instead.
     """
+    if ragged.active() is not None:  # a packed multi-session forward (specdec.ragged)
+        return ragged_attention(module, query, scaling), None
     q_length, kv_length = query.shape[2], key.shape[2]
     # Without a mask, SDPA's top-left causal alignment is right only when q == kv (a prefill);
     # a single query attends to everything. transformers drops the mask exactly then; any
@@ -140,11 +146,14 @@ def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
 
 
 def fast_cpu_model(model: torch.nn.Module, pack_linears: bool = True, gqa_attention: bool = True) -> torch.nn.Module:
-    """The serving copy of a CPU model: packed linears and in-SDPA GQA attention (see the
-    module docstring). Returns `model` itself, unchanged, when it cannot be packed."""
+    """The serving copy of a model: packed linears (CPU fp32 only) and specdec's attention
+    function (in-SDPA GQA, and packed multi-session batches: specdec.ragged), which also
+    serves GPU models. Returns `model` itself, unchanged, when neither applies."""
     reason = can_pack(model)
-    if reason is not None:
-        log.info("CPU fast path off for %s: %s", type(model).__name__, reason)
+    if reason is not None and pack_linears:
+        log.info("packed linears off for %s: %s", type(model).__name__, reason)
+        pack_linears = False
+    if not pack_linears and not gqa_attention:
         return model
 
     def swap(name: str, child: torch.nn.Module):
@@ -154,7 +163,10 @@ def fast_cpu_model(model: torch.nn.Module, pack_linears: bool = True, gqa_attent
         fast = _clone_tree(model, swap)
     packed = sum(isinstance(m, PackedLinear) for m in fast.modules())
     config = getattr(model, "config", None)
-    if gqa_attention and config is not None and getattr(config, "_attn_implementation", None) == "sdpa":
+    uses_sdpa = config is not None and getattr(config, "_attn_implementation", None) == "sdpa"
+    if not packed and not uses_sdpa:
+        return model
+    if gqa_attention and uses_sdpa:
         _register_attention()
         fast_config = copy.copy(config)
         fast_config._attn_implementation_internal = CPU_ATTENTION

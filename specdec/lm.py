@@ -7,11 +7,14 @@ to propose one. It knows nothing of gRPC.
 from __future__ import annotations
 
 from collections.abc import Callable
+import logging
 from typing import Any
 
 import torch
 
 from specdec.sessions import Session, SyncedContext
+
+log = logging.getLogger(__name__)
 
 
 class CausalLM:
@@ -22,6 +25,7 @@ class CausalLM:
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self._ragged: bool | None = None  # whether feed_batch packs sessions; None: not yet checked
 
     @property
     def bytes_per_token(self) -> int:
@@ -88,3 +92,40 @@ class CausalLM:
             raise
         session.ids.extend(tokens)
         return out.logits[0].float()  # [logits_to_keep, V]
+
+    @property
+    def batches_in_one_pass(self) -> bool:
+        """Whether feed_batch runs many sessions in one forward pass (else one by one)."""
+        if self._ragged is None:
+            from specdec.ragged import supports_ragged
+
+            reason = supports_ragged(self.model)
+            self._ragged = reason is None
+            if reason is not None:
+                log.info("batched rounds run one session at a time: %s", reason)
+        return self._ragged
+
+    @torch.inference_mode()
+    def feed_batch(self, sessions: list[Session], token_lists: list[list[int]],
+                   logits_to_keep: list[int]) -> list[torch.Tensor]:
+        """feed() for many sessions at once: ONE forward pass over all their new tokens when
+        the model allows it (specdec.ragged), else one pass per session. Returns per session
+        the logits of its last logits_to_keep[i] positions, [logits_to_keep[i], V]."""
+        assert len({id(s) for s in sessions}) == len(sessions), "a session appears twice in a batch"
+        if len(sessions) == 1 or not self.batches_in_one_pass:
+            return [self.feed(s, t, k) for s, t, k in zip(sessions, token_lists, logits_to_keep)]
+        from specdec.ragged import packed_forward
+
+        for session, tokens in zip(sessions, token_lists):
+            assert tokens, "feed needs at least one token"
+            assert session.cache.get_seq_length() == len(session.ids), "cache and ids out of step"
+        try:
+            logits = packed_forward(self.model, [s.cache for s in sessions], token_lists, logits_to_keep)
+        except BaseException:
+            # Some sessions' layers may have grown and others not: rebuild them all.
+            for session in sessions:
+                self.forget(session)
+            raise
+        for session, tokens in zip(sessions, token_lists):
+            session.ids.extend(tokens)
+        return logits

@@ -13,7 +13,8 @@ from prometheus_client import Counter, Gauge, Histogram, start_http_server
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 WORKER_INFLIGHT = Gauge(
-    "specdec_worker_inflight_requests", "Propose/Verify calls being served now (queued included)", ["kind"]
+    "specdec_worker_inflight_requests",
+    "Propose/Verify rounds being served now (queued included; a batched call counts each round)", ["kind"]
 )
 WORKER_SECONDS = Histogram(
     "specdec_worker_request_seconds", "Propose/Verify latency on the worker, queueing included",
@@ -38,6 +39,11 @@ ACCEPTED_LENGTH = Histogram(
     "specdec_accepted_length", "Tokens committed per round (accepted drafts + the target's own)",
     buckets=tuple(range(1, 18)),
 )
+WORKER_BATCH_ROUNDS = Histogram("specdec_worker_batch_rounds", "Sessions' rounds per batched worker step", ["kind"],
+                                buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64))
+WORKER_BATCH_ROWS = Histogram("specdec_worker_batch_rows", "Tokens run through the model per batched step", ["kind"],
+                              buckets=(1, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+COORDINATOR_QUEUED = Gauge("specdec_coordinator_queued_rounds", "Rounds waiting for the next worker step", ["kind"])
 TTFT = Histogram("specdec_ttft_seconds", "Time from request to first token", buckets=LATENCY_BUCKETS)
 
 
@@ -49,6 +55,12 @@ def observe_store(kind: str, store, evictions_before: int) -> None:
         WORKER_EVICTIONS.labels(kind).inc(store.evictions - evictions_before)
 
 
+def observe_batch(kind: str, rounds: int, rows: int | None = None) -> None:
+    WORKER_BATCH_ROUNDS.labels(kind).observe(rounds)
+    if rows is not None:
+        WORKER_BATCH_ROWS.labels(kind).observe(rows)
+
+
 def observe_round(proposed: int, accepted: int) -> None:
     for position in range(proposed):
         POSITION_PROPOSED.labels(str(position)).inc()
@@ -57,14 +69,14 @@ def observe_round(proposed: int, accepted: int) -> None:
 
 
 @contextlib.contextmanager
-def worker_call(kind: str, method: str):
-    """Counts a worker call as in flight and times it."""
-    WORKER_INFLIGHT.labels(kind).inc()
+def worker_call(kind: str, method: str, rounds: int = 1):
+    """Counts a worker call's rounds as in flight and times the call."""
+    WORKER_INFLIGHT.labels(kind).inc(rounds)
     began = time.perf_counter()
     try:
         yield
     finally:
-        WORKER_INFLIGHT.labels(kind).dec()
+        WORKER_INFLIGHT.labels(kind).dec(rounds)
         WORKER_SECONDS.labels(kind, method).observe(time.perf_counter() - began)
 
 

@@ -5,9 +5,26 @@ from __future__ import annotations
 
 import grpc
 
-from specdec.errors import FailedPrecondition
+import logging
+
+from specdec.errors import FailedPrecondition, SpecdecError
 from specdec.models import eos_token_ids, max_context, vocab_hash
 from specdec.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+# Most rounds one batched call may carry, unless the worker is configured otherwise.
+DEFAULT_MAX_BATCH_ROUNDS = 64
+
+
+def round_error(exc: BaseException, request_id: str = "") -> common_pb2.RoundError:
+    """One failed round of a batched call, as the status the round alone would have got:
+    typed errors keep their code and message; anything else is this worker's fault
+    (INTERNAL, logged here with its traceback, never sent)."""
+    if isinstance(exc, SpecdecError):
+        return common_pb2.RoundError(code=exc.code.value[0], message=str(exc))
+    log.error("a batched round failed (request %s)", request_id or "-", exc_info=exc)
+    return common_pb2.RoundError(code=grpc.StatusCode.INTERNAL.value[0],
+                                 message=f"the worker failed this round ({type(exc).__name__})")
 
 
 def model_info(spec: str, model, tokenizer) -> common_pb2.WorkerInfo:

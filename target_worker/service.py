@@ -12,10 +12,11 @@ from specdec.cpu_fast import serving_lm
 from specdec.models import load_model
 from specdec.sampling import Sampling
 from specdec.serving import ModelThread, RunningServer, start_server
+from specdec.errors import InvalidArgument
 from specdec.sessions import Resync, SessionStore
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from specdec.worker_info import SessionWorkerRpcs, model_info
-from target_worker.verify import Verifier
+from specdec.worker_info import DEFAULT_MAX_BATCH_ROUNDS, SessionWorkerRpcs, model_info, round_error
+from target_worker.verify import Round, Verifier
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
@@ -27,6 +28,7 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
         self.store = verifier.store
         self._info = info
         self.thread = thread or ModelThread("target")
+        self.max_batch_rounds = info.max_batch_rounds or DEFAULT_MAX_BATCH_ROUNDS
 
     async def Verify(self, request: target_pb2.VerifyRequest,
                      context: grpc.aio.ServicerContext) -> target_pb2.VerifyResponse:
@@ -51,6 +53,37 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
         ))
 
 
+    async def VerifyBatch(self, request: target_pb2.VerifyBatchRequest,
+                          context: grpc.aio.ServicerContext) -> target_pb2.VerifyBatchResponse:
+        if len(request.rounds) > self.max_batch_rounds:
+            raise InvalidArgument(f"rounds: {len(request.rounds)} exceeds the limit of {self.max_batch_rounds}")
+        rounds = [Round(r.delta.session_id, r.delta.start, list(r.delta.tokens), list(r.draft_tokens),
+                        Sampling.from_proto(r.sampling if r.HasField("sampling") else None)) for r in request.rounds]
+        evictions = self.store.evictions
+        with metrics.worker_call("target", "VerifyBatch", len(rounds)):
+            outcome = await self.thread.run(self.verifier.verify_batch, rounds)
+        metrics.observe_batch("target", len(rounds), outcome.rows)
+        await self.thread.run(metrics.observe_store, "target", self.store, evictions)
+        response = target_pb2.VerifyBatchResponse(step_s=outcome.step_s, rows=outcome.rows)
+        for r, result in zip(request.rounds, outcome.results):
+            # Each round is logged under its own request's id (the call carries many).
+            logs.request_id.set(r.delta.request_id)
+            log.debug("verify %s: start %d, %d new tokens, %d drafts -> %s", r.delta.session_id, r.delta.start,
+                      len(r.delta.tokens), len(r.draft_tokens), result)
+            item = response.results.add()
+            if isinstance(result, Resync):
+                metrics.WORKER_RESYNCS.labels("target").inc()
+                item.resync.cached_len = result.cached_len
+            elif isinstance(result, BaseException):
+                item.error.CopyFrom(round_error(result, r.delta.request_id))
+            else:
+                item.verdict.CopyFrom(target_pb2.Verdict(accepted=result.accepted, next_token=result.next_token,
+                                                         cached_len=result.cached_len, compute_s=result.compute_s))
+        logs.request_id.set("")
+        log.debug("verify batch: %d rounds, %d rows, %.1f ms", len(rounds), outcome.rows, outcome.step_s * 1e3)
+        return response
+
+
 def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> TargetWorkerServicer:
     """Loads the model (unless given one) and wires the verifier. Loading runs on the
     model thread, like every forward pass after it (see ModelThread.call)."""
@@ -62,6 +95,7 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> TargetWo
         return serving_lm(loaded, config.cpu_fast_path), model_info(config.model, loaded, loaded_tokenizer)
 
     lm, info = thread.call(load)
+    info.max_batch_rounds = config.max_batch_rounds
     store = SessionStore(config.max_sessions, config.max_cache_bytes, lm.bytes_per_token)
     return TargetWorkerServicer(Verifier(lm, store, config.max_k), info, thread)
 

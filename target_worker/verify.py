@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.errors import InvalidArgument
+from specdec.errors import InvalidArgument, SpecdecError
 from specdec.lm import CausalLM
 from specdec.philox import round_uniforms
 from specdec.sampling import GREEDY, Sampling
@@ -25,11 +25,29 @@ from target_worker.kernels import ops
 
 
 @dataclass(frozen=True)
+class Round:
+    """One session's round as the coordinator sent it."""
+
+    session_id: str
+    start: int
+    tokens: list[int]
+    drafts: list[int]
+    sampling: Sampling = GREEDY
+
+
+@dataclass(frozen=True)
 class Verdict:
     accepted: int
     next_token: int
     cached_len: int
     compute_s: float
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    results: list  # per round: Verdict | Resync | the exception that round raised
+    step_s: float  # wall time of the whole step
+    rows: int  # tokens run through the model (uncached committed + drafts, all sessions)
 
 
 class Verifier:
@@ -47,27 +65,109 @@ class Verifier:
 
     def verify(self, session_id: str, start: int, tokens: list[int], drafts: list[int],
                sampling: Sampling = GREEDY) -> Verdict | Resync:
+        """One round alone (the unary Verify rpc); errors raise."""
+        result = self.verify_batch([Round(session_id, start, tokens, drafts, sampling)]).results[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def verify_batch(self, rounds: list[Round]) -> BatchOutcome:
+        """Many sessions' rounds in ONE forward pass (specdec.ragged). Each result is what
+        the round alone would give: a Verdict, a Resync, or the error that round alone
+        would raise (an invalid round never fails the others)."""
         began = time.perf_counter()
-        if len(drafts) > self.max_draft_tokens:
-            raise InvalidArgument(f"draft_tokens: {len(drafts)} exceeds the limit of {self.max_draft_tokens}")
-        self._check_ids("delta.tokens", tokens)
-        self._check_ids("draft_tokens", drafts)
-        if start + len(tokens) + len(drafts) > self.max_context:
+        results: list[Verdict | Resync | BaseException | None] = [None] * len(rounds)
+        ready: list[tuple[int, object, list[int]]] = []  # (index, synced, tokens to feed)
+        seen: set[str] = set()
+        for i, rnd in enumerate(rounds):
+            try:
+                if rnd.session_id in seen:
+                    raise InvalidArgument(f"session {rnd.session_id!r} has more than one round in the batch")
+                seen.add(rnd.session_id)
+                self._validate(rnd)
+                synced = self.store.sync(rnd.session_id, rnd.start, rnd.tokens)
+            except SpecdecError as exc:
+                results[i] = exc
+                continue
+            if isinstance(synced, Resync):
+                results[i] = synced
+                continue
+            ready.append((i, synced, self.lm.prepare(synced) + rnd.drafts))
+        rows = sum(len(fed) for _, _, fed in ready)
+        if ready:
+            try:
+                logits = self.lm.feed_batch([synced.session for _, synced, _ in ready], [fed for _, _, fed in ready],
+                                            [len(rounds[i].drafts) + 1 for i, _, _ in ready])
+                decisions = self._decide_batch([logits_i for logits_i in logits],
+                                               [rounds[i] for i, _, _ in ready],
+                                               [len(synced.context) for _, synced, _ in ready])
+            except Exception as exc:  # noqa: BLE001 - every round of the step failed alike
+                # feed_batch forgot the sessions' caches; each round is retried by its request.
+                for i, _, _ in ready:
+                    results[i] = exc
+                ready = []
+                decisions = []
+            for (i, synced, _), (accepted_n, next_id) in zip(ready, decisions):
+                committed = len(synced.context) + accepted_n
+                self.lm.crop(synced.session, committed)
+                results[i] = Verdict(accepted_n, next_id, committed, 0.0)
+            for i, synced, _ in ready:
+                self.store.enforce_budget(keep=synced.session.session_id)
+        step_s = time.perf_counter() - began
+        results = [r if not isinstance(r, Verdict) else Verdict(r.accepted, r.next_token, r.cached_len, step_s)
+                   for r in results]
+        return BatchOutcome(results, step_s, rows)
+
+    def _validate(self, rnd: Round) -> None:
+        if len(rnd.drafts) > self.max_draft_tokens:
+            raise InvalidArgument(f"draft_tokens: {len(rnd.drafts)} exceeds the limit of {self.max_draft_tokens}")
+        self._check_ids("delta.tokens", rnd.tokens)
+        self._check_ids("draft_tokens", rnd.drafts)
+        if rnd.start + len(rnd.tokens) + len(rnd.drafts) > self.max_context:
             raise InvalidArgument(
-                f"delta: {start + len(tokens) + len(drafts)} tokens exceed the model context of {self.max_context}"
+                f"delta: {rnd.start + len(rnd.tokens) + len(rnd.drafts)} tokens exceed the model context of "
+                f"{self.max_context}"
             )
-        synced = self.store.sync(session_id, start, tokens)
-        if isinstance(synced, Resync):
-            return synced
-        session = synced.session
-        fed = self.lm.prepare(synced) + drafts
-        k = len(drafts)
-        logits = self.lm.feed(session, fed, logits_to_keep=k + 1)  # [k + 1, V]
-        accepted_n, next_id = self._decide(logits, drafts, len(synced.context), sampling)
-        committed = len(synced.context) + accepted_n
-        self.lm.crop(session, committed)
-        self.store.enforce_budget(keep=session_id)
-        return Verdict(accepted_n, next_id, committed, time.perf_counter() - began)
+
+    def _decide_batch(self, logits: list[torch.Tensor], rounds: list[Round],
+                      first_positions: list[int]) -> list[tuple[int, int]]:
+        """(accepted, next token) per round: the greedy rounds in one greedy_verify call and
+        the sampled ones in one warp + sampled_match call, each over a ragged batch padded
+        to its longest block (the kernels read num_draft and never look past it)."""
+        out: list[tuple[int, int] | None] = [None] * len(rounds)
+        greedy = [i for i, r in enumerate(rounds) if r.sampling.greedy]
+        sampled = [i for i, r in enumerate(rounds) if not r.sampling.greedy]
+        for group in (greedy, sampled):
+            if not group:
+                continue
+            if len(group) == 1:  # the common single-session case, without padding
+                i = group[0]
+                out[i] = self._decide(logits[i], rounds[i].drafts, first_positions[i], rounds[i].sampling)
+                continue
+            width = max(len(rounds[i].drafts) for i in group)
+            vocab = logits[group[0]].shape[-1]
+            device = logits[group[0]].device
+            padded = logits[group[0]].new_zeros((len(group), width + 1, vocab))  # [B, K + 1, V]
+            draft = torch.zeros((len(group), max(width, 1)), dtype=torch.long, device=device)  # [B, K]
+            num_draft = torch.tensor([len(rounds[i].drafts) for i in group], dtype=torch.long, device=device)  # [B]
+            for row, i in enumerate(group):
+                n = len(rounds[i].drafts)
+                padded[row, :n + 1] = logits[i]
+                if n:
+                    draft[row, :n] = torch.tensor(rounds[i].drafts, dtype=torch.long, device=device)
+            draft = draft[:, :width] if width else draft[:, :0]
+            if group is greedy:
+                accepted, next_token = ops.greedy_verify(padded, draft, num_draft)
+            else:
+                params = [rounds[i].sampling for i in group]
+                probs = ops.warp_probs(padded, torch.tensor([p.temperature for p in params]),
+                                       torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]))
+                _, u_sample = round_uniforms(torch.tensor([p.seed for p in params]),
+                                             torch.tensor([first_positions[i] for i in group]), width)
+                accepted, next_token = ops.sampled_match(probs, draft, num_draft, u_sample)
+            for row, i in enumerate(group):
+                out[i] = (int(accepted[row]), int(next_token[row]))
+        return out
 
     @staticmethod
     def _decide(logits: torch.Tensor, drafts: list[int], first_position: int, sampling: Sampling) -> tuple[int, int]:

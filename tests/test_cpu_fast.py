@@ -122,11 +122,19 @@ def test_hf_generate_on_fast_model_equals_plain(plain, tokenizer):
     assert reference_greedy(fast, ids, MAX_NEW) == reference_greedy(plain, ids, MAX_NEW)
 
 
-def test_unpackable_dtype_is_served_as_it_is(tokenizer):
+def test_unpackable_dtype_keeps_its_linears_but_gets_the_batching_attention(tokenizer):
+    # bf16 (as on a GPU) cannot take oneDNN's fp32 packing; the attention function that
+    # runs packed multi-session batches (specdec.ragged) still applies.
+    from specdec.cpu_fast import CPU_ATTENTION, PackedLinear
+
     model = make_tiny_model(tokenizer).to(torch.bfloat16)
-    assert fast_cpu_model(model) is model
+    fast = fast_cpu_model(model)
+    assert fast is not model and not any(isinstance(m, PackedLinear) for m in fast.modules())
+    assert fast.config._attn_implementation == CPU_ATTENTION and model.config._attn_implementation == "sdpa"
     lm = serving_lm(model)
-    assert lm.model is model and lm._cache_factory is None
+    assert lm.model is not model and lm.batches_in_one_pass
+    ids = prompt_ids(tokenizer, 30, seed=5)
+    assert reference_greedy(lm.model, ids, MAX_NEW) == reference_greedy(model, ids, MAX_NEW)
 
 
 def test_model_without_linear_layers_keeps_its_output():

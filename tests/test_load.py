@@ -79,8 +79,8 @@ def test_per_client_rate_limit(target, tokenizer):
 def test_a_deadline_ends_the_request_and_frees_its_sessions(target, tokenizer):
     async def scenario():
         async with running_stack(target, tokenizer, draft=target) as stack:
-            gate = Gate(stack.target_servicer.verifier.verify, at_call=2)
-            stack.target_servicer.verifier.verify = gate
+            gate = Gate(stack.target_servicer.verifier.verify_batch, at_call=2)
+            stack.target_servicer.verifier.verify_batch = gate
             async with Client(stack.address) as client:
                 task = asyncio.create_task(client.complete(make_request(PROMPTS[0], max_new_tokens=MAX_NEW),
                                                            timeout=1.0))

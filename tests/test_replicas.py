@@ -35,13 +35,13 @@ def expected(target, tokenizer):
 def record_sessions(servicer) -> list[str]:
     """Wraps a target's verify so every call's session id is recorded."""
     seen: list[str] = []
-    verify = servicer.verifier.verify
+    verify = servicer.verifier.verify_batch
 
-    def recording(session_id, *args):
-        seen.append(session_id)
-        return verify(session_id, *args)
+    def recording(rounds):
+        seen.extend(r.session_id for r in rounds)
+        return verify(rounds)
 
-    servicer.verifier.verify = recording
+    servicer.verifier.verify_batch = recording
     return seen
 
 
@@ -75,7 +75,7 @@ def test_killing_a_target_and_a_draft_replica_mid_generation_keeps_every_output(
         async with running_cluster(target, tokenizer, draft, HOSTS) as cluster:
             calls = [0]
             for _, servicer in cluster.targets:
-                verify = servicer.verifier.verify
+                verify = servicer.verifier.verify_batch
 
                 def held(*args, _verify=verify):
                     calls[0] += 1
@@ -84,7 +84,7 @@ def test_killing_a_target_and_a_draft_replica_mid_generation_keeps_every_output(
                         go.wait(timeout=30)
                     return _verify(*args)
 
-                servicer.verifier.verify = held
+                servicer.verifier.verify_batch = held
             task = asyncio.create_task(complete_all(cluster.address, PROMPTS * 2))
             assert await asyncio.to_thread(paused.wait, 30)
             await cluster.targets[0][0].stop(grace=0)

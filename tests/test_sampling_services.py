@@ -65,8 +65,8 @@ def test_seeded_sampling_equals_target_sampling_alone(drafter, target, other_dra
 def test_seeded_sampling_survives_a_target_restart(target, other_draft, tokenizer):
     async def scenario():
         async with running_stack(target, tokenizer, draft=other_draft) as stack:
-            gate = Gate(stack.draft_servicer.proposer.propose, at_call=3)
-            stack.draft_servicer.proposer.propose = gate
+            gate = Gate(stack.draft_servicer.proposer.propose_batch, at_call=3)
+            stack.draft_servicer.proposer.propose_batch = gate
             async with Client(stack.address) as client:
                 task = asyncio.create_task(client.complete(
                     make_request(PROMPTS[0], max_new_tokens=MAX_NEW, k=3, seed=77, **PARAMS)))

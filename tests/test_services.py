@@ -140,13 +140,13 @@ def test_steady_state_rounds_send_only_new_tokens(target, tokenizer):
 
     async def scenario():
         async with running_stack(target, tokenizer, draft=NGRAM) as stack:
-            verify = stack.target_servicer.verifier.verify
+            verify = stack.target_servicer.verifier.verify_batch
 
-            def recording(session_id, start, tokens, drafts, *rest):
-                sent.append((start, len(tokens), len(drafts)))
-                return verify(session_id, start, tokens, drafts, *rest)
+            def recording(rounds):
+                sent.extend((r.start, len(r.tokens), len(r.drafts)) for r in rounds)
+                return verify(rounds)
 
-            stack.target_servicer.verifier.verify = recording
+            stack.target_servicer.verifier.verify_batch = recording
             return (await generate_all(stack.address, [PROMPTS[1]], tokenizer))[0]
 
     result = run(scenario())
@@ -178,11 +178,11 @@ def test_worker_restart_mid_request_keeps_output(restarted, target, other_draft,
         async with running_stack(target, tokenizer, draft=other_draft) as stack:
             # Hold the *other* worker mid-round, restart this one, let the round go on.
             if restarted == "target":
-                gate = Gate(stack.draft_servicer.proposer.propose, at_call=4)
-                stack.draft_servicer.proposer.propose = gate
+                gate = Gate(stack.draft_servicer.proposer.propose_batch, at_call=4)
+                stack.draft_servicer.proposer.propose_batch = gate
             else:
-                gate = Gate(stack.target_servicer.verifier.verify, at_call=4)
-                stack.target_servicer.verifier.verify = gate
+                gate = Gate(stack.target_servicer.verifier.verify_batch, at_call=4)
+                stack.target_servicer.verifier.verify_batch = gate
             async with Client(stack.address) as client:
                 task = asyncio.create_task(client.complete(make_request(PROMPTS[0], max_new_tokens=MAX_NEW, k=3)))
                 assert await asyncio.to_thread(gate.entered.wait, 30)
@@ -267,8 +267,8 @@ def test_bad_input_gets_invalid_argument_and_service_stays_up(target, tokenizer)
 def test_cancelled_request_frees_worker_sessions(target, other_draft, tokenizer):
     async def scenario():
         async with running_stack(target, tokenizer, draft=other_draft) as stack:
-            gate = Gate(stack.target_servicer.verifier.verify, at_call=3)
-            stack.target_servicer.verifier.verify = gate
+            gate = Gate(stack.target_servicer.verifier.verify_batch, at_call=3)
+            stack.target_servicer.verifier.verify_batch = gate
             async with Client(stack.address) as client:
                 call = client.stream(make_request(PROMPTS[0], max_new_tokens=MAX_NEW))
                 first = await call.read()
@@ -328,8 +328,8 @@ def test_graceful_stop_finishes_in_flight_request_and_reports_not_serving(target
 
     async def scenario():
         async with running_stack(target, tokenizer, draft=other_draft) as stack:
-            gate = Gate(stack.target_servicer.verifier.verify, at_call=3)
-            stack.target_servicer.verifier.verify = gate
+            gate = Gate(stack.target_servicer.verifier.verify_batch, at_call=3)
+            stack.target_servicer.verifier.verify_batch = gate
             async with Client(stack.address) as client:
                 task = asyncio.create_task(client.complete(make_request(PROMPTS[0], max_new_tokens=MAX_NEW)))
                 assert await asyncio.to_thread(gate.entered.wait, 30)
@@ -412,7 +412,7 @@ def test_sliding_window_target_survives_rejected_drafts_past_its_window(tokenize
 def test_a_worker_fault_restarts_the_session_instead_of_failing_the_request(target, tokenizer):
     async def scenario():
         async with running_stack(target, tokenizer, draft=NGRAM) as stack:
-            verify = stack.target_servicer.verifier.verify
+            verify = stack.target_servicer.verifier.verify_batch
             calls = [0]
 
             def faulty(*args):
@@ -421,7 +421,7 @@ def test_a_worker_fault_restarts_the_session_instead_of_failing_the_request(targ
                     raise RuntimeError("simulated replica fault (e.g. out of memory)")
                 return verify(*args)
 
-            stack.target_servicer.verifier.verify = faulty
+            stack.target_servicer.verifier.verify_batch = faulty
             async with Client(stack.address) as client:
                 return await client.complete(make_request(PROMPTS[0], max_new_tokens=MAX_NEW))
 

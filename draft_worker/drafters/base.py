@@ -16,3 +16,8 @@ class Drafter(Protocol):
     def propose(self, synced: SyncedContext, k: int) -> list[int]:
         """Up to k token ids that continue synced.context. May return fewer, even none."""
         ...
+
+    def propose_batch(self, synced: list[SyncedContext], ks: list[int]) -> list[list[int]]:
+        """propose() for many sessions at once (distinct sessions), batched where the
+        drafter can; the i-th proposal is what propose(synced[i], ks[i]) returns."""
+        ...

@@ -20,16 +20,23 @@ class ModelDrafter:
         self.max_context = int(getattr(lm.config, "max_position_embeddings", 0) or 1 << 30)
 
     def propose(self, synced: SyncedContext, k: int) -> list[int]:
-        session = synced.session
+        return self.propose_batch([synced], [k])[0]
+
+    def propose_batch(self, synced: list[SyncedContext], ks: list[int]) -> list[list[int]]:
+        """Greedy proposals for many sessions: draft step j is ONE forward pass over every
+        session still drafting (its uncached committed tokens at step 0, its last draft
+        token after), so a batch of B sessions costs k passes, not B·k."""
         # A draft with a shorter context than the target proposes less near its end.
-        k = min(k, self.max_context - len(synced.context))
-        if k <= 0:
-            return []
-        feed = self.lm.prepare(synced)
-        proposal: list[int] = []
-        for _ in range(k):
-            logits = self.lm.feed(session, feed, logits_to_keep=1)  # [1, V]
-            token = int(torch.argmax(logits[-1]))
-            proposal.append(token)
-            feed = [token]
-        return proposal
+        ks = [min(k, self.max_context - len(s.context)) for s, k in zip(synced, ks)]
+        proposals: list[list[int]] = [[] for _ in synced]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        feeds = {i: self.lm.prepare(synced[i]) for i in active}
+        while active:
+            logits = self.lm.feed_batch([synced[i].session for i in active], [feeds[i] for i in active],
+                                        [1] * len(active))  # per session [1, V]
+            for i, row in zip(active, logits):
+                token = int(torch.argmax(row[-1]))
+                proposals[i].append(token)
+                feeds[i] = [token]
+            active = [i for i in active if len(proposals[i]) < ks[i]]
+        return proposals

@@ -46,3 +46,7 @@ class NgramDrafter:
         # rounds only send what is new.
         session.ids = list(synced.context)
         return lookup(session.ids, k, self.max_ngram, self.min_ngram)
+
+    def propose_batch(self, synced: list[SyncedContext], ks: list[int]) -> list[list[int]]:
+        # A lookup per session: no model, nothing to batch.
+        return [self.propose(s, k) for s, k in zip(synced, ks)]

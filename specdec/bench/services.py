@@ -28,13 +28,14 @@ class ServiceRun:
 class SpecdecUp:
     """One `specdec up` process serving a target and a drafter ('ngram' or a model)."""
 
-    def __init__(self, target: str, draft: str, k: int, threads: int, loop: asyncio.AbstractEventLoop):
+    def __init__(self, target: str, draft: str, k: int, threads: int, loop: asyncio.AbstractEventLoop,
+                 extra_args: list[str] | None = None):
         self.draft = draft
         self.k = k
         self.loop = loop
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
         command = [sys.executable, "-m", "specdec", "up", "--port", "0", "--target", target, "--draft", draft,
-                   "--k", str(k)]
+                   "--k", str(k), *(extra_args or [])]
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self._stderr: list[str] = []
         threading.Thread(target=self._drain_stderr, daemon=True).start()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"A\n\x0cSessionDelta\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\"$\n\x0eResyncRequired\x12\x12\n\ncached_len\x18\x01 \x01(\r\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x13\n\x11WorkerInfoRequest\"\xc1\x01\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1c\n\x14tokenizer_vocab_size\x18\x02 \x01(\r\x12\x12\n\nvocab_hash\x18\x03 \x01(\t\x12\x18\n\x10model_vocab_size\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x07 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x08 \x01(\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"U\n\x0cSessionDelta\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"+\n\nRoundError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"$\n\x0eResyncRequired\x12\x12\n\ncached_len\x18\x01 \x01(\r\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"$\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x13\n\x11WorkerInfoRequest\"\xdb\x01\n\nWorkerInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x1c\n\x14tokenizer_vocab_size\x18\x02 \x01(\r\x12\x12\n\nvocab_hash\x18\x03 \x01(\t\x12\x18\n\x10model_vocab_size\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x17\n\x0f\x61\x63tive_sessions\x18\x07 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x08 \x01(\x04\x12\x18\n\x10max_batch_rounds\x18\t \x01(\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,17 +32,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.common_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SESSIONDELTA']._serialized_start=39
-  _globals['_SESSIONDELTA']._serialized_end=104
-  _globals['_RESYNCREQUIRED']._serialized_start=106
-  _globals['_RESYNCREQUIRED']._serialized_end=142
-  _globals['_SAMPLINGPARAMS']._serialized_start=144
-  _globals['_SAMPLINGPARAMS']._serialized_end=225
-  _globals['_RELEASEREQUEST']._serialized_start=227
-  _globals['_RELEASEREQUEST']._serialized_end=263
-  _globals['_RELEASERESPONSE']._serialized_start=265
-  _globals['_RELEASERESPONSE']._serialized_end=300
-  _globals['_WORKERINFOREQUEST']._serialized_start=302
-  _globals['_WORKERINFOREQUEST']._serialized_end=321
-  _globals['_WORKERINFO']._serialized_start=324
-  _globals['_WORKERINFO']._serialized_end=517
+  _globals['_SESSIONDELTA']._serialized_end=124
+  _globals['_ROUNDERROR']._serialized_start=126
+  _globals['_ROUNDERROR']._serialized_end=169
+  _globals['_RESYNCREQUIRED']._serialized_start=171
+  _globals['_RESYNCREQUIRED']._serialized_end=207
+  _globals['_SAMPLINGPARAMS']._serialized_start=209
+  _globals['_SAMPLINGPARAMS']._serialized_end=290
+  _globals['_RELEASEREQUEST']._serialized_start=292
+  _globals['_RELEASEREQUEST']._serialized_end=328
+  _globals['_RELEASERESPONSE']._serialized_start=330
+  _globals['_RELEASERESPONSE']._serialized_end=365
+  _globals['_WORKERINFOREQUEST']._serialized_start=367
+  _globals['_WORKERINFOREQUEST']._serialized_end=386
+  _globals['_WORKERINFO']._serialized_start=389
+  _globals['_WORKERINFO']._serialized_end=608
 # @@protoc_insertion_point(module_scope)

@@ -7,14 +7,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SessionDelta(_message.Message):
-    __slots__ = ("session_id", "start", "tokens")
+    __slots__ = ("session_id", "start", "tokens", "request_id")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    request_id: str
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class RoundError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ResyncRequired(_message.Message):
     __slots__ = ("cached_len",)
@@ -51,7 +61,7 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "tokenizer_vocab_size", "vocab_hash", "model_vocab_size", "max_context", "eos_token_ids", "active_sessions", "cache_bytes")
+    __slots__ = ("model", "tokenizer_vocab_size", "vocab_hash", "model_vocab_size", "max_context", "eos_token_ids", "active_sessions", "cache_bytes", "max_batch_rounds")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +70,7 @@ class WorkerInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer_vocab_size: int
     vocab_hash: str
@@ -68,4 +79,5 @@ class WorkerInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     active_sessions: int
     cache_bytes: int
-    def __init__(self, model: _Optional[str] = ..., tokenizer_vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., model_vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ...) -> None: ...
+    max_batch_rounds: int
+    def __init__(self, model: _Optional[str] = ..., tokenizer_vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., model_vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., max_batch_rounds: _Optional[int] = ...) -> None: ...

@@ -16,12 +16,28 @@ class ProposeRequest(_message.Message):
     def __init__(self, delta: _Optional[_Union[_common_pb2.SessionDelta, _Mapping]] = ..., k: _Optional[int] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("block", "resync")
+    __slots__ = ("block", "resync", "error")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     RESYNC_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     block: DraftBlock
     resync: _common_pb2.ResyncRequired
-    def __init__(self, block: _Optional[_Union[DraftBlock, _Mapping]] = ..., resync: _Optional[_Union[_common_pb2.ResyncRequired, _Mapping]] = ...) -> None: ...
+    error: _common_pb2.RoundError
+    def __init__(self, block: _Optional[_Union[DraftBlock, _Mapping]] = ..., resync: _Optional[_Union[_common_pb2.ResyncRequired, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.RoundError, _Mapping]] = ...) -> None: ...
+
+class ProposeBatchRequest(_message.Message):
+    __slots__ = ("rounds",)
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    rounds: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
+    def __init__(self, rounds: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ...) -> None: ...
+
+class ProposeBatchResponse(_message.Message):
+    __slots__ = ("results", "step_s")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_S_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ProposeResponse]
+    step_s: float
+    def __init__(self, results: _Optional[_Iterable[_Union[ProposeResponse, _Mapping]]] = ..., step_s: _Optional[float] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
     __slots__ = ("tokens", "compute_s")

@@ -40,6 +40,11 @@ class DraftWorkerStub:
                 request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
                 _registered_method=True)
+        self.ProposeBatch = channel.unary_unary(
+                '/specdec.v1.DraftWorker/ProposeBatch',
+                request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.DraftWorker/Release',
                 request_serializer=specdec_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
@@ -57,6 +62,15 @@ class DraftWorkerServicer:
 
     def Propose(self, request, context):
         """Proposes up to `k` tokens that continue the session's committed sequence.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProposeBatch(self, request, context):
+        """Continuous batching: the rounds of many sessions at once; a draft model runs each of
+        its k steps as ONE forward pass over every session still drafting. A round that is
+        invalid or needs a resync gets its own result and never fails the others.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -83,6 +97,11 @@ def add_DraftWorkerServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_draft__pb2.ProposeResponse.SerializeToString,
+            ),
+            'ProposeBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProposeBatch,
+                    request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -122,6 +141,33 @@ class DraftWorker:
             '/specdec.v1.DraftWorker/Propose',
             specdec_dot_v1_dot_draft__pb2.ProposeRequest.SerializeToString,
             specdec_dot_v1_dot_draft__pb2.ProposeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.DraftWorker/ProposeBatch',
+            specdec_dot_v1_dot_draft__pb2.ProposeBatchRequest.SerializeToString,
+            specdec_dot_v1_dot_draft__pb2.ProposeBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,6 +40,11 @@ class TargetWorkerStub:
                 request_serializer=specdec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_target__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifyBatch = channel.unary_unary(
+                '/specdec.v1.TargetWorker/VerifyBatch',
+                request_serializer=specdec_dot_v1_dot_target__pb2.VerifyBatchRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_target__pb2.VerifyBatchResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.TargetWorker/Release',
                 request_serializer=specdec_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
@@ -66,6 +71,16 @@ class TargetWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyBatch(self, request, context):
+        """Continuous batching: the rounds of many sessions (one round per session at most) in ONE
+        forward pass over all their new tokens, each session attending only to its own cache.
+        Each round is decided exactly as Verify would decide it alone; a round that is invalid
+        or needs a resync gets its own result and never fails the others.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Frees the session's target cache (request finished or cancelled).
         """
@@ -87,6 +102,11 @@ def add_TargetWorkerServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=specdec_dot_v1_dot_target__pb2.VerifyRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifyBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.VerifyBatch,
+                    request_deserializer=specdec_dot_v1_dot_target__pb2.VerifyBatchRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_target__pb2.VerifyBatchResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -126,6 +146,33 @@ class TargetWorker:
             '/specdec.v1.TargetWorker/Verify',
             specdec_dot_v1_dot_target__pb2.VerifyRequest.SerializeToString,
             specdec_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.TargetWorker/VerifyBatch',
+            specdec_dot_v1_dot_target__pb2.VerifyBatchRequest.SerializeToString,
+            specdec_dot_v1_dot_target__pb2.VerifyBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

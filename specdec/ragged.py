@@ -1,0 +1,158 @@
+"""Continuous batching inside one forward pass: the new tokens of many sessions, each on top
+of its own KV cache, run through the model as ONE packed sequence.
+
+The tokens of all sessions are concatenated into a single row, [1, T] with T = Σ nᵢ, and
+go through the model once: every linear layer, norm and MLP (nearly all the weights, which
+is what a decoding step on CPU or GPU pays to read) runs once over all T rows. Only
+attention is per session: at each layer, session i's nᵢ keys and values are appended to its
+own cache (`RaggedCache.update`) and its nᵢ queries attend to that cache alone, causally
+(`ragged_attention`). No padding, no copying caches into a batch tensor, and sessions of any
+context length and any number of new tokens mix freely — the varlen layout vLLM and
+FlashAttention use, done with one SDPA call per session and layer.
+
+Positions are given per token (each session continues at its own cache length), so rotary
+embeddings are those of the session alone; the causal mask inside a session's block is the
+same as in a one-session forward. The result equals running each session alone up to float
+rounding of the batched matrix products (tests/test_ragged.py compares them).
+
+This works for decoder-only models whose attention goes through transformers'
+`ALL_ATTENTION_FUNCTIONS` and a cache's `update` — the Llama family (SmolLM2, Llama, Qwen2/3,
+Mistral without a sliding window, …) — when served with specdec's attention function
+(`specdec.cpu_fast.CPU_ATTENTION`). Models with sliding-window layers (Gemma 3) are run one
+session at a time instead (`CausalLM.feed_batch` falls back); the result is the same.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+# The batch being run by the forward pass in progress on this thread, if any.
+_ACTIVE: contextvars.ContextVar[RaggedBatch | None] = contextvars.ContextVar("specdec_ragged_batch", default=None)
+
+
+@dataclass
+class RaggedBatch:
+    """One packed forward: per session its cache, the offset and count of its new tokens in
+    the packed row, and its cache length before the step."""
+
+    caches: list  # per session: a transformers Cache with per-layer `layers`
+    offsets: list[int]  # start of session i's tokens in the packed row
+    lengths: list[int]  # nᵢ, new tokens of session i (≥ 1)
+    past: list[int]  # tokens in session i's cache before the step
+    # Per layer, per session: (keys, values) after appending, [1, kv_heads, pastᵢ + nᵢ, d].
+    current: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    # Per session: the causal mask of its block against its cache, None when nᵢ = 1.
+    masks: list[torch.Tensor | None] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(self.lengths)
+
+    def position_ids(self, device: torch.device) -> torch.Tensor:
+        """[1, T]: each session's tokens continue at its own cache length."""
+        return torch.cat([torch.arange(p, p + n, device=device) for p, n in zip(self.past, self.lengths)])[None]
+
+    def build_masks(self, device: torch.device) -> None:
+        self.masks = []
+        for past, n in zip(self.past, self.lengths):
+            if n == 1:
+                self.masks.append(None)  # one query attends to everything cached
+                continue
+            # Query r (absolute position past + r) sees keys 0..past + r.
+            rows = torch.arange(n, device=device)[:, None]  # [n, 1]
+            cols = torch.arange(past + n, device=device)[None, :]  # [1, past + n]
+            self.masks.append((cols <= past + rows)[None, None])  # [1, 1, n, past + n] bool
+
+
+class RaggedCache:
+    """What the model sees as its cache during a packed forward: `update` splits the packed
+    keys and values per session and appends each part to that session's own cache layer."""
+
+    is_compileable = False
+
+    def __init__(self, batch: RaggedBatch):
+        self.batch = batch
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # key_states, value_states: [1, kv_heads, T, head_dim] for the packed row.
+        batch = self.batch
+        parts = []
+        for cache, offset, n in zip(batch.caches, batch.offsets, batch.lengths):
+            parts.append(cache.layers[layer_idx].update(key_states[:, :, offset:offset + n],
+                                                        value_states[:, :, offset:offset + n]))
+        batch.current[layer_idx] = parts
+        # The attention function reads the per-session parts; these are returned unused.
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+
+def active() -> RaggedBatch | None:
+    return _ACTIVE.get()
+
+
+def ragged_attention(module: torch.nn.Module, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """Per-session causal attention of a packed query row against each session's own cache.
+
+    query: [1, heads, T, head_dim]. Returns [1, T, heads, head_dim]."""
+    batch = _ACTIVE.get()
+    parts = batch.current[module.layer_idx]
+    outputs = []
+    for (keys, values), offset, n, mask in zip(parts, batch.offsets, batch.lengths, batch.masks):
+        q = query[:, :, offset:offset + n]  # [1, heads, n, d]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling,
+                                             enable_gqa=q.shape[1] != keys.shape[1])  # [1, heads, n, d]
+        outputs.append(out)
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()  # [1, T, heads, d]
+
+
+def supports_ragged(model: torch.nn.Module) -> str | None:
+    """None when `model` can run packed batches; otherwise why not."""
+    from specdec.cpu_fast import CPU_ATTENTION
+
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != CPU_ATTENTION:
+        return "the model is not served with specdec's attention function"
+    if getattr(config, "is_encoder_decoder", False):
+        return "encoder-decoder models are not supported"
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return "the model has sliding-window or other non-full attention layers"
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and window < getattr(config, "max_position_embeddings", 0):
+        return "the model uses a sliding window"
+    return None
+
+
+@torch.inference_mode()
+def packed_forward(model: torch.nn.Module, caches: list, token_lists: list[list[int]],
+                   keep: list[int]) -> list[torch.Tensor]:
+    """Runs every session's new tokens in one forward pass; returns per session the logits
+    of its last keep[i] positions, [keep[i], V] float32. Each cache must hold exactly the
+    session's past (its get_seq_length())."""
+    device = next(model.parameters()).device
+    lengths = [len(tokens) for tokens in token_lists]
+    offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    batch = RaggedBatch(caches=caches, offsets=offsets, lengths=lengths,
+                        past=[cache.get_seq_length() for cache in caches])
+    batch.build_masks(device)
+    input_ids = torch.tensor([[t for tokens in token_lists for t in tokens]], dtype=torch.long, device=device)
+    # Rows whose logits are wanted: the last keep[i] of each session's block.
+    rows = torch.tensor([o + n - k + j for o, n, k in zip(offsets, lengths, keep) for j in range(k)],
+                        dtype=torch.long, device=device)
+    # A ready 4D mask makes transformers skip building one; ragged_attention masks per session.
+    placeholder_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+    token = _ACTIVE.set(batch)
+    try:
+        out = model(input_ids=input_ids, cache=RaggedCache(batch), use_cache=True,
+                    position_ids=batch.position_ids(device), attention_mask=placeholder_mask,
+                    logits_to_keep=rows)
+    finally:
+        _ACTIVE.reset(token)
+    logits = out.logits[0].float()  # [Σ keep, V]
+    return list(torch.split(logits, keep))

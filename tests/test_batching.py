@@ -1,0 +1,293 @@
+"""Continuous batching: the ragged packed forward equals each session alone, batched worker
+calls decide each round as it would be decided alone, the coordinator's steps carry many
+requests at once, and 16 concurrent requests give exactly what each gives alone (greedy:
+the target alone; seeded sampling: its own solo run)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from coordinator.adaptive import DRAFT_TOKEN_COST, AdaptiveK, StepCostModel
+from coordinator.scheduler import RoundFailed, StepBatcher
+from draft_worker.drafters.model import ModelDrafter
+from draft_worker.propose import Proposer, Request
+from specdec.client import Client, make_request
+from specdec.cpu_fast import serving_lm
+from specdec.errors import InvalidArgument
+from specdec.models import NGRAM
+from specdec.ragged import supports_ragged
+from specdec.sampling import Sampling
+from specdec.sessions import Resync, Session, SessionStore
+from target_worker.verify import Round, Verdict, Verifier
+from tests.factories import make_tiny_model
+from tests.harness import reference_greedy, reference_sample, run, running_stack
+from tests.test_services import PROMPTS, chat_ids, other_draft, target, tokenizer  # noqa: F401 (fixtures)
+
+MAX_NEW = 32
+
+
+def tokens(n: int, seed: int, vocab: int = 300) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def fresh_sessions(lm, contexts: list[list[int]]) -> list[Session]:
+    sessions = []
+    for i, context in enumerate(contexts):
+        session = Session(f"s{i}")
+        session.cache, session.ids = lm._new_cache(), []
+        if context:
+            lm.feed(session, context, 1)
+        sessions.append(session)
+    return sessions
+
+
+# ---------------------------------------------------------------------------------------
+# The packed forward
+
+
+def test_packed_forward_equals_each_session_alone(target):
+    lm = serving_lm(target)
+    assert lm.batches_in_one_pass
+    # Ragged on every axis: cache lengths 0..70 (0: a session's very first round), 1..6 new
+    # tokens, logits of 1..all of them.
+    contexts = [tokens(n, seed=n) for n in (0, 7, 33, 70, 12)]
+    new = [tokens(n, seed=100 + n) for n in (5, 1, 6, 3, 1)]
+    keep = [5, 1, 2, 3, 1]
+    alone = [lm.feed(s, t, k) for s, t, k in zip(fresh_sessions(lm, contexts), new, keep)]
+    batched_sessions = fresh_sessions(lm, contexts)
+    batched = lm.feed_batch(batched_sessions, new, keep)
+    for a, b in zip(alone, batched):
+        assert a.shape == b.shape
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4 * float(a.abs().max()))
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    # The caches grew exactly as alone: the next step on each still agrees.
+    for session, context, t in zip(batched_sessions, contexts, new):
+        assert session.ids == context + t and session.cache.get_seq_length() == len(context) + len(t)
+    again = lm.feed_batch(batched_sessions, [[5]] * len(new), [1] * len(new))
+    with torch.no_grad():
+        reference = [target(torch.tensor([c + t + [5]])).logits[0, -1:].float() for c, t in zip(contexts, new)]
+    for a, b in zip(reference, again):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(a.abs().max()))
+
+
+def test_packed_forward_after_rollback_and_a_failure_forgets_the_batch(target):
+    lm = serving_lm(target)
+    sessions = fresh_sessions(lm, [tokens(20, 1), tokens(30, 2)])
+    for s in sessions:
+        lm.crop(s, 15)  # rejected drafts dropped
+    out = lm.feed_batch(sessions, [[7, 8], [9]], [2, 1])
+    with torch.no_grad():
+        expected = target(torch.tensor([tokens(20, 1)[:15] + [7, 8]])).logits[0, -2:].float()
+    torch.testing.assert_close(out[0], expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+    with pytest.raises(IndexError):
+        lm.feed_batch(sessions, [[7], [10 ** 6]], [1, 1])  # an id past the embedding
+    assert all(s.cache is None and s.ids == [] for s in sessions)  # rebuilt on the next round
+
+
+def test_sliding_window_models_fall_back_to_one_session_at_a_time(tokenizer):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                           sliding_window=16)
+    model = MistralForCausalLM(config).eval()
+    lm = serving_lm(model)
+    assert "sliding window" in supports_ragged(lm.model) and not lm.batches_in_one_pass
+    contexts = [tokens(30, 3), tokens(5, 4)]
+    alone = [lm.feed(s, [9, 10], 2) for s in fresh_sessions(lm, contexts)]
+    batched = lm.feed_batch(fresh_sessions(lm, contexts), [[9, 10], [9, 10]], [2, 2])
+    for a, b in zip(alone, batched):
+        torch.testing.assert_close(a, b)
+
+
+# ---------------------------------------------------------------------------------------
+# Batched worker calls
+
+
+def test_verify_batch_decides_each_round_as_alone_and_isolates_bad_rounds(target):
+    def verifier():
+        lm = serving_lm(target)
+        return Verifier(lm, SessionStore(64, 1 << 30, lm.bytes_per_token), max_draft_tokens=8)
+
+    greedy_drafts = reference_greedy(target, tokens(25, 5), 4)
+    rounds = [
+        Round("a", 0, tokens(25, 5), greedy_drafts[:3] + [1]),  # 3 accepted then a wrong one
+        Round("b", 0, tokens(12, 6), []),  # a plain step
+        Round("c", 0, tokens(40, 7), tokens(4, 8), Sampling(temperature=0.8, top_k=0, top_p=1.0, seed=3)),
+        Round("d", 0, tokens(10, 9), [999_999]),  # outside the vocabulary
+        Round("e", 4, tokens(3, 10), []),  # a session this worker never saw
+        Round("b", 0, tokens(12, 6), []),  # the same session twice in one step
+    ]
+    alone = verifier()
+    expected = []
+    for r in rounds[:3]:
+        expected.append(alone.verify(r.session_id, r.start, r.tokens, r.drafts, r.sampling))
+    outcome = verifier().verify_batch(rounds)
+    got = outcome.results
+    assert [(v.accepted, v.next_token, v.cached_len) for v in got[:3]] == [
+        (v.accepted, v.next_token, v.cached_len) for v in expected]
+    assert got[0].accepted == 3 and isinstance(got[0], Verdict)
+    assert isinstance(got[3], InvalidArgument) and "vocabulary" in str(got[3])
+    assert isinstance(got[4], Resync) and got[4].cached_len == 0
+    assert isinstance(got[5], InvalidArgument) and "more than one round" in str(got[5])
+    assert outcome.rows == 25 + 4 + 12 + 40 + 4
+
+
+def test_propose_batch_equals_each_proposal_alone(target, other_draft):
+    def proposer():
+        lm = serving_lm(other_draft)
+        return Proposer(ModelDrafter("d", lm), SessionStore(64, 1 << 30, lm.bytes_per_token), max_k=8)
+
+    requests = [Request("a", 0, tokens(20, 1), 4), Request("b", 0, tokens(3, 2), 1), Request("c", 0, tokens(50, 3), 6),
+                Request("d", 0, tokens(5, 4), 0)]
+    alone = proposer()
+    expected = [alone.propose(r.session_id, r.start, r.tokens, r.k).tokens for r in requests[:3]]
+    got = proposer().propose_batch(requests).results
+    assert [p.tokens for p in got[:3]] == expected and [len(t) for t in expected] == [4, 1, 6]
+    assert isinstance(got[3], InvalidArgument)
+
+
+# ---------------------------------------------------------------------------------------
+# The coordinator's steps
+
+
+class FakeResponse:
+    def __init__(self, results):
+        self.results = results
+
+
+def test_step_batcher_budget_fifo_cancellation_and_failures():
+    async def scenario():
+        steps: list[list[str]] = []
+        release = asyncio.Event()
+
+        async def send(requests, timeout_s):
+            steps.append(list(requests))
+            await release.wait()
+            if "boom" in requests:
+                raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "x")
+            return FakeResponse([f"done {r}" for r in requests])
+
+        batcher = StepBatcher("target", send, token_budget=10, max_rounds=3)
+        first = asyncio.ensure_future(batcher.submit("r0", 4, 5.0))
+        await asyncio.sleep(0.01)  # r0 is in flight alone; the rest queue behind it
+        later = [asyncio.ensure_future(batcher.submit(f"r{i}", n, 5.0)) for i, n in ((1, 4), (2, 4), (3, 1), (4, 30))]
+        cancelled = asyncio.ensure_future(batcher.submit("gone", 1, 5.0))
+        await asyncio.sleep(0.01)
+        cancelled.cancel()
+        release.set()
+        results = await asyncio.gather(first, *later)
+        failing = await asyncio.gather(batcher.submit("boom", 1, 5.0), return_exceptions=True)
+        return steps, results, failing
+
+    steps, results, failing = run(scenario())
+    # Budget 10: r1 + r2 (8) fit, r3 would too (9) — then r4 (30) goes alone; "gone" never.
+    assert steps[:3] == [["r0"], ["r1", "r2", "r3"], ["r4"]]
+    assert results == [f"done r{i}" for i in range(5)]
+    assert isinstance(failing[0], RoundFailed) and failing[0].code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_draft_tokens_get_dearer_as_the_batch_grows():
+    light, heavy = StepCostModel(), StepCostModel()
+    for step in range(60):
+        # A weight-bound step: ~25 ms + 1.2 ms per row (the shape measured on SmolLM2).
+        rows = 1 + step % 5
+        light.observe(rows, 0.025 + 0.0012 * rows, 1)
+        heavy.observe(16 + step % 20, 0.025 + 0.0012 * (16 + step % 20), 16)
+    assert light.draft_token_cost() == pytest.approx(DRAFT_TOKEN_COST, abs=0.01)
+    assert heavy.draft_token_cost() > 0.3
+    adaptive = AdaptiveK(k_max=4)
+    adaptive.accepted, adaptive.tried = 0.3, 1.0  # α = 0.3: worth drafting alone, not in a crowd
+    assert adaptive.best_k(light.draft_token_cost()) > 0
+    assert adaptive.best_k(heavy.draft_token_cost()) == 0
+
+
+# ---------------------------------------------------------------------------------------
+# Through the services
+
+
+@pytest.mark.parametrize("drafter", ["model", NGRAM])
+def test_sixteen_concurrent_greedy_requests_equal_each_alone_and_the_target(drafter, target, other_draft, tokenizer):
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(16)]
+    expected = [reference_greedy(target, chat_ids(tokenizer, p), MAX_NEW) for p in prompts]
+
+    async def scenario():
+        draft = other_draft if drafter == "model" else NGRAM
+        async with running_stack(target, tokenizer, draft=draft, max_streams_per_client=32) as stack:
+            async with Client(stack.address) as client:
+                alone = [(await client.complete(make_request(p, max_new_tokens=MAX_NEW, k=3))).token_ids
+                         for p in prompts[:4]]
+                batchers = stack.coordinator_servicer.runner.target._batchers.values()
+                steps_before = sum(b.steps for b in batchers)
+                together = await asyncio.gather(*(client.complete(make_request(p, max_new_tokens=MAX_NEW, k=3))
+                                                  for p in prompts))
+                steps = sum(b.steps for b in batchers) - steps_before
+            return alone, together, steps
+
+    alone, together, steps = run(scenario())
+    assert [r.token_ids for r in together] == expected
+    assert alone == expected[:4]
+    # Rounds shared steps: far fewer target steps than the 16 requests' rounds.
+    assert steps < 0.5 * sum(r.stats["rounds"] for r in together)
+
+
+def test_sixteen_concurrent_seeded_requests_equal_their_solo_runs(tokenizer):
+    from tests.test_sampling_services import EOS, PARAMS
+
+    model = make_tiny_model(tokenizer, seed=0, layers=2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(0.25)  # flat enough that sampling has choices
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(16)]
+    seeds = list(range(100, 116))
+
+    async def scenario():
+        async with running_stack(model, tokenizer, draft=NGRAM, max_streams_per_client=32) as stack:
+            async with Client(stack.address) as client:
+                solo = [(await client.complete(make_request(p, max_new_tokens=MAX_NEW, k=3, seed=s, **PARAMS))).token_ids
+                        for p, s in zip(prompts[:3], seeds[:3])]
+                together = await asyncio.gather(*(
+                    client.complete(make_request(p, max_new_tokens=MAX_NEW, k=3, seed=s, **PARAMS))
+                    for p, s in zip(prompts, seeds)))
+            return solo, [r.token_ids for r in together]
+
+    solo, together = run(scenario())
+    expected = [reference_sample(model, chat_ids(tokenizer, p), MAX_NEW, seed=s, eos_ids=EOS, **PARAMS)
+                for p, s in zip(prompts, seeds)]
+    assert together == expected
+    assert solo == expected[:3]
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_other_requests_steps(target, tokenizer):
+    long_prompt = " ".join(PROMPTS * 2)
+    short = PROMPTS[0]
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=NGRAM, prefill_chunk_tokens=32,
+                                 max_streams_per_client=32) as stack:
+            sent = []
+            verify = stack.target_servicer.verifier.verify_batch
+
+            def recording(rounds):
+                sent.append([(r.session_id, r.start, len(r.tokens)) for r in rounds])
+                return verify(rounds)
+
+            stack.target_servicer.verifier.verify_batch = recording
+            async with Client(stack.address) as client:
+                results = await asyncio.gather(
+                    client.complete(make_request(long_prompt, max_new_tokens=MAX_NEW)),
+                    client.complete(make_request(short, max_new_tokens=MAX_NEW)))
+            return sent, results
+
+    sent, (long_result, short_result) = run(scenario())
+    assert long_result.token_ids == reference_greedy(target, chat_ids(tokenizer, long_prompt), MAX_NEW)
+    assert short_result.token_ids == reference_greedy(target, chat_ids(tokenizer, short), MAX_NEW)
+    rounds = [r for step in sent for r in step]
+    assert len(chat_ids(tokenizer, long_prompt)) > 3 * 32
+    assert max(n for _, _, n in rounds) <= 32 + 1  # chunks (and the last piece), never the whole prompt
+    long_session = rounds[0][0] if rounds[0][2] == 32 else next(s for s, _, n in rounds if n == 32)
+    chunks = [(start, n) for s, start, n in rounds if s == long_session]
+    assert chunks[0] == (0, 32) and chunks[1] == (32, 32)
