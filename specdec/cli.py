@@ -4,6 +4,7 @@
     specdec serve coordinator|draft|target ...
     specdec generate [--addr HOST:PORT] [--max-new-tokens N] [--k K] [--no-speculation] [--raw] [--json] PROMPT
     specdec bench [--quick] [--target MODEL] [--draft MODEL] [--k K] [--threads N] [--out DIR]
+    specdec distill --target MODEL --out DIR [--max-minutes M] [--steps N] [--resume] ...
 
 This is the one place that reads flags and the environment into the typed configs.
 """
@@ -193,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(bench)
 
+    distill = commands.add_parser("distill", help="train a small draft model for a target by self-distillation")
+    from specdec.distill import add_arguments as add_distill_arguments
+
+    add_distill_arguments(distill)
+
     certs = commands.add_parser("certs", help="make a development CA, server and client certificates")
     certs.add_argument("--out", required=True, help="directory to write ca.pem, server.pem/.key, client.pem/.key")
     certs.add_argument("--host", action="append", default=[],
@@ -335,6 +341,13 @@ async def _run_generate(args) -> int:
     return 0
 
 
+def _run_distill(args, argv: list[str] | None) -> int:
+    from specdec.distill import config_from_args, run
+
+    run(config_from_args(args, argv if argv is not None else sys.argv[1:]))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from specdec import logs
@@ -358,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
             from specdec.bench.cli import run as run_bench
 
             return run_bench(args)
+        if args.command == "distill":  # synchronous: a long training run in this process
+            return _run_distill(args, argv)
         return asyncio.run(runners[args.command](args))
     except grpc.aio.AioRpcError as exc:
         print(f"{exc.code().name}: {exc.details()}", file=sys.stderr)

@@ -1,0 +1,188 @@
+"""`specdec distill` on a tiny target: the teacher's batched generation is the target's own
+greedy output, the hand-written loss has autograd's gradient, the simulated acceptance
+counts rounds exactly, the bench prompts are never trained on, and a short run lowers the
+loss, resumes from its checkpoint, and writes a directory that serves as a draft — through
+the services and HF assisted generation — without changing the target's output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec import distill, distill_prompts
+from specdec.bench.prompts import PROMPTS as BENCH_PROMPTS
+from specdec.cli import main
+from specdec.client import Client, make_request
+from specdec.models import eos_token_ids, load_model, vocab_hash
+from tests.factories import make_tiny_model, make_tiny_tokenizer, save_model_dir
+from tests.harness import reference_greedy, run, running_stack
+
+FIRST_STEPS = 40
+TOTAL_STEPS = 80
+LOG_EVERY = 10
+MAX_NEW = 24
+# A short run on a random tiny target: the loss must fall well below where it started.
+LOSS_DROP = 0.8
+SERVICE_PROMPTS = ["Explain how tides work.", "Write a haiku about rain.", "def add(a, b):"]
+
+
+def tiny_run_args(target: Path, out: Path, steps: int, *extra: str) -> list[str]:
+    return ["distill", "--target", str(target), "--out", str(out), "--layers", "1", "--hidden", "32",
+            "--intermediate", "64", "--train-prompts", "48", "--heldout-prompts", "8", "--samples-per-prompt", "2",
+            "--max-new-tokens", str(MAX_NEW), "--gen-batch", "16", "--steps", str(steps), "--batch-size", "8",
+            "--eval-every", "20", "--log-every", str(LOG_EVERY), "--checkpoint-every", "20", "--lr", "1e-2",
+            "--warmup-steps", "5", "--threads", "2", "--no-progress", *extra]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    return make_tiny_model(tokenizer, seed=0)
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory, target, tokenizer):
+    """A run of FIRST_STEPS, then --resume to TOTAL_STEPS; what each left behind."""
+    root = tmp_path_factory.mktemp("distill")
+    target_dir = save_model_dir(root / "target", target, tokenizer)
+    out = root / "draft"
+    assert main(tiny_run_args(target_dir, out, FIRST_STEPS)) == 0
+    work = out.with_name(out.name + ".work")
+    shards = {p.name: p.stat().st_mtime_ns for p in (work / "data").iterdir()}
+    first = json.loads((out / "distill.json").read_text())
+    assert main(tiny_run_args(target_dir, out, TOTAL_STEPS, "--resume")) == 0
+    second = json.loads((out / "distill.json").read_text())
+    return {"target_dir": target_dir, "out": out, "work": work, "shards": shards, "first": first, "second": second}
+
+
+def test_bench_prompts_are_in_neither_split():
+    built = distill_prompts.build_prompts()
+    texts = {p.text for p in built}
+    for prompt in BENCH_PROMPTS:
+        assert distill_prompts.excluded(prompt.text), f"no EXCLUDED pattern covers bench prompt {prompt.name}"
+        assert prompt.text not in texts
+    assert not [p.text for p in built if distill_prompts.excluded(p.text)]
+
+
+def test_heldout_subjects_are_not_training_subjects():
+    built = distill_prompts.build_prompts()
+    train = {(p.kind, p.subject) for p in built if p.split == distill_prompts.TRAIN}
+    heldout = {(p.kind, p.subject) for p in built if p.split == distill_prompts.HELDOUT}
+    assert heldout and train and not train & heldout
+
+
+def test_topk_distill_loss_has_autograd_gradient():
+    torch.manual_seed(0)
+    rows, vocab, k = 7, 53, 5
+    logits = torch.randn(rows, vocab, dtype=torch.float64, requires_grad=True)  # [N, V]
+    ids = torch.stack([torch.randperm(vocab)[:k] for _ in range(rows)])  # [N, K], distinct per row
+    probs = torch.softmax(torch.randn(rows, k, dtype=torch.float64), -1)  # [N, K]
+    upstream_soft, upstream_hard = torch.rand(rows, dtype=torch.float64), torch.rand(rows, dtype=torch.float64)
+
+    soft, hard = distill.topk_distill_loss(logits, ids, probs)
+    ((soft * upstream_soft).sum() + (hard * upstream_hard).sum()).backward()
+    ours = logits.grad.clone()
+    logits.grad = None
+    logq = torch.log_softmax(logits, -1)  # [N, V]
+    ref_soft = -(probs * logq.gather(1, ids)).sum(-1)
+    ref_hard = -logq.gather(1, ids[:, :1])[:, 0]
+    ((ref_soft * upstream_soft).sum() + (ref_hard * upstream_hard).sum()).backward()
+
+    torch.testing.assert_close(soft, ref_soft)
+    torch.testing.assert_close(hard, ref_hard)
+    torch.testing.assert_close(ours, logits.grad)
+
+
+def test_simulated_rounds_commit_accepted_plus_one():
+    agree = [True, True, True, True, False, True, False, True, True]
+    # round 1 at 0: 4 accepted, bonus at 4 -> 5; round 2 at 5: 1 accepted, correction at 6
+    # -> 7; round 3 at 7: 2 left, both accepted -> done.
+    assert distill.simulate_rounds(agree, 4) == (3, 10, 7)
+    assert distill.simulate_rounds([False] * 3, 4) == (3, 3 + 2 + 1, 0)
+    assert distill.simulate_rounds([], 4) == (0, 0, 0)
+
+
+def test_teacher_generation_equals_target_greedy_alone(target, tokenizer):
+    texts = ["Hi", "Write a long poem about the quick brown fox.", "def add(a, b):", "Summarise: the cat sat."]
+    prompts = [distill.chat_ids(tokenizer, t) for t in texts]  # different lengths: left padding
+    model, cache = distill._teacher_for_generation(target)
+    first = distill.teacher_generate(model, prompts, pad_id=tokenizer.pad_token_id, eos_ids=[], max_new_tokens=MAX_NEW,
+                                     top_k=4, new_cache=cache)
+    # Make an early token of row 0 the end-of-sequence id, so rows finish at different
+    # steps and the batch is compacted mid-generation.
+    eos = [first.answers[0][2]]
+    result = distill.teacher_generate(model, prompts, pad_id=tokenizer.pad_token_id, eos_ids=eos,
+                                      max_new_tokens=MAX_NEW, top_k=4, new_cache=cache)
+    assert len(result.answers[0]) <= 3
+    for prompt, answer, ids, logprobs in zip(prompts, result.answers, result.topk_ids, result.topk_logprobs):
+        assert answer == reference_greedy(target, prompt, MAX_NEW, eos_ids=eos)
+        assert ids[:, 0].tolist() == answer  # greedy: the chosen token is the teacher's top-1
+        assert bool((logprobs[:, :-1] >= logprobs[:, 1:]).all())
+
+
+def test_distill_lowers_the_loss(distilled):
+    losses = [h["loss"] for h in distilled["second"]["history"] if "loss" in h]
+    assert losses[-1] < LOSS_DROP * losses[0], losses
+
+
+def test_resume_continues_from_checkpoint_without_regenerating_data(distilled):
+    first, second = distilled["first"], distilled["second"]
+    assert first["training"]["steps"] == FIRST_STEPS and second["training"]["steps"] == TOTAL_STEPS
+    logged = [h["step"] for h in second["history"] if "loss" in h]
+    assert logged == list(range(LOG_EVERY, TOTAL_STEPS + 1, LOG_EVERY))  # one history, no restart
+    shards = {p.name: p.stat().st_mtime_ns for p in (distilled["work"] / "data").iterdir()}
+    assert shards == distilled["shards"]
+    assert second["training"]["tokens_seen"] > first["training"]["tokens_seen"]
+
+
+def test_refuses_a_used_work_dir_without_resume(distilled, capsys):
+    assert main(tiny_run_args(distilled["target_dir"], distilled["out"], TOTAL_STEPS)) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_output_is_a_bf16_hf_dir_sharing_the_tokenizer(distilled, tokenizer):
+    out = distilled["out"]
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    draft, draft_tokenizer = load_model(str(out))
+    assert next(draft.parameters()).dtype == torch.float32  # workers load fp32
+    assert vocab_hash(draft_tokenizer) == vocab_hash(tokenizer)
+    assert draft.config.vocab_size == len(tokenizer)
+    assert eos_token_ids(draft, draft_tokenizer) == [tokenizer.eos_token_id]
+    assert distilled["second"]["final"]["heldout_positions"] > 0
+
+
+def test_draft_through_the_services_is_token_identical_to_the_target(distilled, target, tokenizer):
+    draft, _ = load_model(str(distilled["out"]))
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=draft) as stack:
+            async with Client(stack.address) as client:
+                return [await client.complete(make_request(p, max_new_tokens=MAX_NEW, k=4)) for p in SERVICE_PROMPTS]
+
+    results = run(scenario())
+    for text, result in zip(SERVICE_PROMPTS, results):
+        assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
+    assert sum(r.stats["proposed"] for r in results) > 0  # the draft was asked
+
+
+def test_draft_works_as_an_hf_assistant_model(distilled, target, tokenizer):
+    draft, _ = load_model(str(distilled["out"]))
+    ids = distill.chat_ids(tokenizer, SERVICE_PROMPTS[0])
+    with torch.inference_mode():
+        assisted = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                   assistant_model=draft, do_sample=False, max_new_tokens=MAX_NEW)
+    assert assisted[0, len(ids):].tolist() == reference_greedy(target, ids, MAX_NEW)
+
+
+def test_building_the_cli_parser_does_not_import_torch():
+    code = "import sys, specdec.cli as c; c.build_parser(); sys.exit(int('torch' in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
