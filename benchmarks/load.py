@@ -2,7 +2,7 @@
 1, 4 and 16 concurrent clients, with speculation off and with adaptive speculation on,
 measured side by side in one run (this machine is shared and noisy).
 
-    python benchmarks/load.py                       # SmolLM2-135M + n-gram, ~15 min on 2 cores
+    python benchmarks/load.py                       # SmolLM2-135M + n-gram, ~10 min on 2 cores
     python benchmarks/load.py --quick               # 1 and 4 clients, one repeat
     python benchmarks/load.py --unbatched           # also `specdec up --no-batching` (before/after)
 
@@ -146,7 +146,7 @@ def targets(summary: dict, concurrencies: list[int]) -> list[dict]:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# Load benchmark — {report['machine'].get('cpu', '')}", "",
+    lines = [f"# Load benchmark — {report['machine'].get('cpu_model', '')}, {report['machine'].get('cpu_cores', '')} cores, torch {report['machine'].get('torch', '')}", "",
              f"`{report['command']}`; target {report['config']['target']}, drafter {report['config']['draft']}, "
              f"k ≤ {report['config']['k']}, {report['config']['max_new_tokens']} new tokens per request, "
              f"{report['config']['requests_per_client']} requests per client, medians of "
@@ -172,9 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", default="ngram")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--clients", default="1,4,16", help="comma-separated concurrencies")
-    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--requests-per-client", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2, help="runs per mode and concurrency (alternating)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per mode and concurrency (alternating)")
     parser.add_argument("--threads", type=int, default=2, help="OMP threads of the specdec processes")
     parser.add_argument("--unbatched", action="store_true",
                         help="also measure speculation off on `specdec up --no-batching` (no continuous batching)")

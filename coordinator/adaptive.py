@@ -19,21 +19,26 @@ rounds, in case the text turns into something the drafter can predict; accepted 
 MAX_PROBE_EVERY), so a request whose text the drafter cannot predict pays almost nothing for
 asking. Output never depends on k: the target decides every token.
 
-Under load the price of a draft token changes. Rounds of many requests share one batched
-verification step (coordinator.scheduler), and a step over R tokens takes about t₀ + t_row·R:
-nearly flat in R while the step reads weights (one request, a few rows), linear once it
-computes (many requests, many rows). A draft token then delays every one of the B requests
-in the step by t_row, which in steps of one request is B·t_row / t(R) — the externality
-`StepCostModel` estimates from the steps' measured times. As B grows, fewer and shorter
-blocks pay, and at high load speculation stops where it would lower throughput (the known
-failure of speculative decoding at large batch sizes: Liu et al. 2024, "Optimizing
-Speculative Decoding for Serving LLMs Using Goodput", arXiv 2406.14066) and resumes when the
-load falls.
+Under load both prices change, and both are measured, not assumed. Rounds of many requests
+share one batched verification step (coordinator.scheduler): a draft token adds a row to the
+step and delays every one of its B requests by t_draft, i.e. B·t_draft / t(step) steps —
+`StepCostModel` fits t_draft from the measured times of steps with and without drafts (the
+step time is far from linear in rows). And the step waits for a drafting request's Propose
+round, so every request in it waits too: the Propose round's measured time, shared among
+the requests drafting in the step. As B grows, fewer and shorter blocks pay, and at high
+load speculation stops where it would lower throughput (the known failure of speculative
+decoding at large batch sizes: Liu et al. 2024, "Optimizing Speculative Decoding for Serving
+LLMs Using Goodput", arXiv 2406.14066) and resumes when the load falls. Probes get rarer as
+they get dearer (PROBE_BUDGET), and a new request starts from the drafter's recent
+acceptance over all requests (`DrafterRecord`), not from a fixed belief.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
+
+import numpy as np
 
 # Costs in target steps, measured on the CPU fast path (SmolLM2-135M, 2 cores, 60–230-token
 # contexts, `specdec bench`): a Propose round trip ~5% of a step; a 5-token verification
@@ -49,16 +54,63 @@ PRIOR_TRIALS = 2.0
 # finds nothing stops being asked soon).
 DECAY = 0.9
 HIT_DECAY = 0.7
+# Memory of the drafter-wide record that new requests start from (~50 drafting rounds).
+RECORD_DECAY = 0.98
+# Memory of the round-time estimates (~20 rounds); rounds timed before they are trusted; a
+# Propose dearer than this many Verify rounds is treated as this dear.
+ROUND_TIME_DECAY = 0.95
+MIN_ROUNDS_TIMED = 8
+MAX_PROPOSE_COST = 2.0
 # While paused, draft PROBE_K tokens once every PROBE_EVERY rounds (a cheap probe: a failed
-# one costs PROPOSE_COST + PROBE_K·DRAFT_TOKEN_COST).
+# one costs PROPOSE_COST + PROBE_K·DRAFT_TOKEN_COST), and never so often that failed probes
+# cost more than PROBE_BUDGET of the rounds' time — under load a probe is dear (every
+# request in the step waits for it) and comes correspondingly rarely.
 PROBE_EVERY = 4
 MAX_PROBE_EVERY = 16
 PROBE_K = 2
+PROBE_BUDGET = 0.035
 
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Tokens a round commits with k drafts at per-token acceptance alpha (bonus included)."""
     return k + 1.0 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+class DrafterRecord:
+    """The drafter's recent acceptance over all requests (decayed per drafting round): a new
+    request starts from it instead of a fixed belief, so on text the drafter cannot predict
+    new requests do not each pay a few full blocks to find out, and on text it predicts
+    well they draft from the first round."""
+
+    def __init__(self) -> None:
+        self.accepted = PRIOR_ALPHA * PRIOR_TRIALS
+        self.tried = PRIOR_TRIALS
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.tried
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if proposed:
+            self.accepted = RECORD_DECAY * self.accepted + accepted
+            self.tried = RECORD_DECAY * self.tried + accepted + (1 if accepted < proposed else 0)
+
+    def start(self, k_max: int) -> AdaptiveK:
+        """A request's own record, starting at the drafter's recent acceptance."""
+        return AdaptiveK(k_max=k_max, accepted=self.alpha * PRIOR_TRIALS, tried=PRIOR_TRIALS)
+
+
+class RoundTimes:
+    """Decayed mean duration of one kind of worker round as the coordinator sees it (queue
+    wait, batched step and transfer)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.count = 0
+
+    def observe(self, seconds: float) -> None:
+        self.count += 1
+        self.seconds = seconds if self.count == 1 else ROUND_TIME_DECAY * self.seconds + (1 - ROUND_TIME_DECAY) * seconds
 
 
 @dataclass
@@ -76,27 +128,29 @@ class AdaptiveK:
     def alpha(self) -> float:
         return self.accepted / self.tried if self.tried > 0 else 0.0
 
-    def best_k(self, draft_token_cost: float = DRAFT_TOKEN_COST) -> int:
+    def best_k(self, draft_token_cost: float = DRAFT_TOKEN_COST, propose_cost: float = PROPOSE_COST) -> int:
         """The k in 0..k_max with the most expected tokens per unit of cost (0: drafting
-        does not pay), a draft token costing draft_token_cost target steps."""
+        does not pay), a draft token costing draft_token_cost target steps and asking the
+        drafter propose_cost."""
         best, best_rate = 0, 1.0
         for k in range(1, self.k_max + 1):
             tokens = 1 + self.hit_rate * (expected_tokens(self.alpha, k) - 1)
-            cost = 1 + PROPOSE_COST + self.hit_rate * k * draft_token_cost
+            cost = 1 + propose_cost + self.hit_rate * k * draft_token_cost
             if tokens / cost > best_rate:
                 best, best_rate = k, tokens / cost
         return best
 
-    def next_k(self, draft_token_cost: float = DRAFT_TOKEN_COST) -> int:
+    def next_k(self, draft_token_cost: float = DRAFT_TOKEN_COST, propose_cost: float = PROPOSE_COST) -> int:
         """Draft tokens for the next round (0: decode this round with the target alone)."""
-        k = self.best_k(draft_token_cost)
+        k = self.best_k(draft_token_cost, propose_cost)
         self.probing = False
         if k > 0:
             self.paused_rounds = 0
             self.probe_every = PROBE_EVERY
         else:
             self.paused_rounds += 1
-            if self.paused_rounds >= self.probe_every:
+            probe_cost = propose_cost + min(PROBE_K, self.k_max) * draft_token_cost
+            if self.paused_rounds >= max(self.probe_every, probe_cost / PROBE_BUDGET):
                 k, self.probing, self.paused_rounds = min(PROBE_K, self.k_max), True, 0
         self.asked = k
         return k
@@ -116,61 +170,86 @@ class AdaptiveK:
         self.tried = DECAY * self.tried + tried
 
 
-# The cost model's memory, per step (~20 steps), and its prior: PRIOR_STEPS pseudo-steps
-# consistent with DRAFT_TOKEN_COST at one request (t_row / t(1) = DRAFT_TOKEN_COST).
+# The cost model's memory: the last STEP_WINDOW decode steps, weighted STEP_DECAY per step
+# of age (~20 steps). A step is a decode step when it carries at most DECODE_ROWS_PER_ROUND
+# committed rows per round (no prefill chunk in it).
+STEP_WINDOW = 64
 STEP_DECAY = 0.95
-PRIOR_STEPS = 4.0
+DECODE_ROWS_PER_ROUND = 2
+# The draft-row slope's prior: as if PRIOR_DRAFT_ROWS2 (draft rows², weighted) of steps had
+# shown each draft row costing DRAFT_TOKEN_COST of the step — right at one request, and
+# pessimistic under load until steps with and without drafts show otherwise. The per-round
+# slope gets a weak pull towards zero only so that it is defined when every step has the
+# same number of rounds.
+PRIOR_DRAFT_ROWS2 = 4.0
+ROUNDS_RIDGE = 1e-3
 # Beyond this the estimate is not trusted further (a draft token is never worth it there).
 MAX_DRAFT_TOKEN_COST = 4.0
 
 
 class StepCostModel:
-    """t(R) = t₀ + t_row·R for one target replica's batched steps, fitted by decayed least
-    squares on (rows, seconds) of the steps it ran, plus the recent mean rounds per step
-    B and rows per step R̄; `draft_token_cost()` = B·t_row / t(R̄) in units of a step,
-    never below DRAFT_TOKEN_COST (the one-request cost measured by the bench)."""
+    """What a draft token costs on one target replica, from the times of its batched decode
+    steps: t = t₀ + t_round·rounds + t_draft·draft rows, fitted by decayed least squares
+    (the draft slope shrunk towards the one-request prior). Measured rather than assumed
+    because step time is far from linear in rows: on SmolLM2, 2 cores, a step of 8 rounds
+    takes 48 ms, 16 rounds 51 ms, 16 rounds with 4 drafting 5 rows each 74 ms, 32 rounds 87 ms
+    — flat while a step reads weights, steep once it computes, with a cost per session
+    (its attention, its cache) on top. With B rounds in the usual (median) step,
+    `draft_token_cost()` = B·t_draft / t(usual) in units of a step: every request in the step
+    waits t_draft longer for each draft token; never below DRAFT_TOKEN_COST."""
 
     def __init__(self) -> None:
-        # Decayed sums for the regression of seconds on rows; the prior sits at rows 1 and
-        # 5 with times in units where t(1) = 1.
-        self._w = self._x = self._y = self._xx = self._xy = 0.0
-        for rows in (1.0, 5.0):
-            self._add(rows, 1.0 + DRAFT_TOKEN_COST * (rows - 1), PRIOR_STEPS / 2)
-        self.rounds = 1.0  # decayed mean rounds per step
-        self.rows = 1.0  # decayed mean rows per step
-        self.scaled = False  # whether real steps have replaced the unit-less prior's scale
+        self.steps: deque[tuple[int, int, float]] = deque(maxlen=STEP_WINDOW)  # rounds, drafts, seconds
+        self.rounds = 1.0  # rounds in the median decode step
+        self.drafts = 0.0  # draft rows in the median decode step
+        self.drafting = 0.0  # decayed share of rounds that carry drafts
+        self.step_s = 0.0  # the usual decode step's duration
+        self._cost = DRAFT_TOKEN_COST
 
-    def _add(self, x: float, y: float, weight: float) -> None:
-        self._w += weight
-        self._x += weight * x
-        self._y += weight * y
-        self._xx += weight * x * x
-        self._xy += weight * x * y
-
-    def observe(self, rows: int, seconds: float, rounds: int) -> None:
-        if rows <= 0 or seconds <= 0:
+    def observe(self, rows: int, seconds: float, rounds: int, drafts: int = 0, drafting: int = 0) -> None:
+        """A step: its rows, duration, rounds, draft rows and rounds with drafts."""
+        if rows <= 0 or seconds <= 0 or rounds <= 0 or rows - drafts > DECODE_ROWS_PER_ROUND * rounds:
             return
-        if not self.scaled:
-            # Rescale the prior to this replica's step time so it weighs as a shape only.
-            scale = seconds / (1.0 + DRAFT_TOKEN_COST * (rows - 1))
-            self._y *= scale
-            self._xy *= scale
-            self.scaled = True
-        for name in ("_w", "_x", "_y", "_xx", "_xy"):
-            setattr(self, name, getattr(self, name) * STEP_DECAY)
-        self._add(float(rows), seconds, 1.0)
-        self.rounds = STEP_DECAY * self.rounds + (1 - STEP_DECAY) * rounds
-        self.rows = STEP_DECAY * self.rows + (1 - STEP_DECAY) * rows
+        share = drafting / rounds
+        self.drafting = share if not self.steps else STEP_DECAY * self.drafting + (1 - STEP_DECAY) * share
+        self.steps.append((rounds, drafts, seconds))
+        usual = sorted(self.steps)[len(self.steps) // 2]
+        self.rounds, self.drafts = float(usual[0]), float(usual[1])
+        base, per_draft = self.fit()
+        self.step_s = base
+        cost = self.rounds * per_draft / base if base > 0 else MAX_DRAFT_TOKEN_COST
+        self._cost = min(MAX_DRAFT_TOKEN_COST, max(DRAFT_TOKEN_COST, cost))
 
     def fit(self) -> tuple[float, float]:
-        """(t₀, t_row) in seconds (in prior units before any step)."""
-        mean_x, mean_y = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mean_x * mean_x
-        slope = (self._xy / self._w - mean_x * mean_y) / var if var > 1e-9 else 0.0
-        slope = max(slope, 0.0)
-        return max(mean_y - slope * mean_x, 1e-6), slope
+        """(t(usual step), t_draft) in seconds; (1, DRAFT_TOKEN_COST) in units of a step
+        before any step."""
+        if not self.steps:
+            return 1.0, DRAFT_TOKEN_COST
+        data = np.array(self.steps, dtype=np.float64)[::-1]  # newest first
+        weights = STEP_DECAY ** np.arange(len(data))
+        x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+        y = data[:, 2]
+        xtx = (x * weights[:, None]).T @ x
+        xty = (x * weights[:, None]).T @ y
+        mean_t = float(weights @ y / weights.sum())
+        xtx[1, 1] += ROUNDS_RIDGE * xtx[0, 0]
+        xtx[2, 2] += PRIOR_DRAFT_ROWS2
+        xty[2] += PRIOR_DRAFT_ROWS2 * DRAFT_TOKEN_COST * mean_t
+        t0, per_round, per_draft = np.linalg.solve(xtx, xty)
+        per_draft = max(0.0, float(per_draft))
+        usual = float(t0 + per_round * self.rounds + per_draft * self.drafts)
+        return max(usual, 1e-6), per_draft
 
     def draft_token_cost(self) -> float:
-        base, per_row = self.fit()
-        cost = self.rounds * per_row / (base + per_row * self.rows)
-        return min(MAX_DRAFT_TOKEN_COST, max(DRAFT_TOKEN_COST, cost))
+        return self._cost
+
+    def propose_cost(self, propose: RoundTimes) -> float:
+        """What asking the drafter costs, in steps. A drafting request reaches the next
+        target step a Propose round later, and the step waits for it (coordinator.scheduler
+        gathers), so every request in the step waits too — shared among the requests that
+        draft in it. At one request that is an n-gram Propose's few per cent of a step; at
+        16 requests of which one drafts it is 16 times that."""
+        if propose.count < MIN_ROUNDS_TIMED or self.step_s <= 0:
+            return PROPOSE_COST
+        waiting = self.rounds / max(1.0, self.drafting * self.rounds)
+        return min(MAX_PROPOSE_COST, max(PROPOSE_COST, propose.seconds * waiting / self.step_s))

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from coordinator.adaptive import AdaptiveK
+from coordinator.adaptive import DrafterRecord
 from coordinator.detokenizer import IncrementalDetokenizer, StopMatcher
 from coordinator.workers import DraftClient, TargetClient, WorkerSession
 from specdec import metrics
@@ -84,6 +84,7 @@ class RoundRunner:
         self.draft = draft
         self.tokenizer = tokenizer
         self._background: set[asyncio.Task] = set()
+        self.drafter_record = DrafterRecord()
 
     async def run(self, plan: GenerationPlan) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         """Yields one response per round with new tokens; the last carries finish and stats."""
@@ -98,7 +99,7 @@ class RoundRunner:
         finish = FinishReason.FINISH_REASON_UNSPECIFIED
         use_draft = plan.speculate and self.draft is not None
         sampling = None if plan.sampling.greedy else plan.sampling.to_proto()
-        adaptive = AdaptiveK(k_max=plan.k)
+        adaptive = self.drafter_record.start(plan.k)
         try:
             while finish == FinishReason.FINISH_REASON_UNSPECIFIED:
                 remaining = plan.max_new_tokens - stats.generated
@@ -107,12 +108,16 @@ class RoundRunner:
                 # target adds one token of its own per round.
                 # Under load a draft token delays every request in the step: its price comes
                 # from the target's measured step costs (coordinator.adaptive.StepCostModel).
-                k = (min(adaptive.next_k(self.target.draft_token_cost(target_session)), remaining - 1, room - 1)
+                # Asking the drafter costs its measured round time (coordinator.adaptive).
+                k = (min(adaptive.next_k(self.target.draft_token_cost(target_session),
+                                         self.target.propose_cost(target_session, self.draft.round_times)),
+                         remaining - 1, room - 1)
                      if use_draft else 0)
                 drafts = await self._propose(draft_session, committed, k, stats) if k > 0 else []
                 verdict = await self.target.verify(target_session, committed, drafts, sampling)
                 stats.rounds += 1
                 adaptive.update(len(drafts), verdict.accepted)
+                self.drafter_record.update(len(drafts), verdict.accepted)
                 stats.proposed += len(drafts)
                 stats.accepted += verdict.accepted
                 new, finish = self._commit(drafts[:verdict.accepted] + [verdict.next_token], plan, stats, room)
@@ -142,6 +147,7 @@ class RoundRunner:
                     response.stats.seed = plan.sampling.seed
                 yield response
         finally:
+            self.target.finished(target_session)  # no step waits for its next round
             self._release_later(target_session, draft_session if use_draft else None)
 
     @staticmethod

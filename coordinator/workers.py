@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from coordinator.adaptive import DRAFT_TOKEN_COST, StepCostModel
+from coordinator.adaptive import DRAFT_TOKEN_COST, PROPOSE_COST, RoundTimes, StepCostModel
 from coordinator.pool import Replica, WorkerPool, resolve_dns
 from coordinator.scheduler import RoundFailed, StepBatcher
 from specdec.errors import DeadlineExceeded, FailedPrecondition, Unavailable
@@ -74,12 +74,19 @@ class WorkerSession:
     wire_bytes: int = 0
     seconds: float = 0.0
 
+    @property
+    def key(self) -> str:
+        """The generation this session belongs to (its target and draft sessions share it)."""
+        return self.session_id.rpartition("/")[0] or self.session_id
+
 
 class WorkerClient:
     kind = ""
     service_name = ""
     # Whether a round waits (with back-off) for a replica when none can answer.
     patient = True
+    # Whether a step waits briefly for the requests the last one answered (scheduler).
+    gathers = False
 
     def __init__(self, endpoints: str, timeout_s: float, retries: int, backoff_s: float, max_message_bytes: int,
                  resolve_interval_s: float = 5.0, health_interval_s: float = 1.0, resolver=resolve_dns,
@@ -100,6 +107,7 @@ class WorkerClient:
         self.batching = batching
         self.step_token_budget = step_token_budget
         self.max_batch_rounds = max_batch_rounds
+        self.round_times = RoundTimes()  # rounds that got an answer, retries included
         self._batchers: dict[str, StepBatcher] = {}
 
     def _make_stub(self, channel):
@@ -133,13 +141,13 @@ class WorkerClient:
 
             batcher = self._batchers[address] = StepBatcher(
                 self.kind, send, self.step_token_budget, self.max_batch_rounds,
-                on_step=lambda response, rounds: self._on_step(address, response, rounds))
+                on_step=lambda response, requests: self._on_step(address, response, requests), gather=self.gathers)
         return batcher
 
     async def _send_batch(self, stub, requests: list, timeout_s: float):
         raise NotImplementedError
 
-    def _on_step(self, address: str, response, rounds: int) -> None:
+    def _on_step(self, address: str, response, requests: list) -> None:
         """Sees each batched step's response (the target learns its step costs)."""
 
     @staticmethod
@@ -154,7 +162,8 @@ class WorkerClient:
             return await getattr(self.stub(replica), method)(
                 request, timeout=timeout, metadata=((REQUEST_ID_KEY, session.request_id),))
         try:
-            response = await self._batcher(replica).submit(request, self._round_tokens(request), timeout)
+            response = await self._batcher(replica).submit(request, self._round_tokens(request), timeout,
+                                                           key=session.key)
         except TimeoutError as exc:
             raise RoundFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout:.3g} s") from exc
         if response.WhichOneof("result") == "error":
@@ -262,6 +271,7 @@ class WorkerClient:
                         continue
                     session.sent = len(committed)
                     session.seconds += loop.time() - began
+                    self.round_times.observe(loop.time() - began)
                     return getattr(response, kind)
             if attempt >= (self.retries if self.patient else 1) or (replica is None and not self.patient):
                 raise Unavailable(f"{self.kind} workers unavailable after {attempt + 1} attempts ({last_error})")
@@ -289,8 +299,16 @@ class TargetClient(WorkerClient):
     kind = "target"
     service_name = target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
 
+    gathers = True
+
     def _make_stub(self, channel):
         return target_pb2_grpc.TargetWorkerStub(channel)
+
+    def finished(self, session: WorkerSession) -> None:
+        """The generation ended: no step waits for its next round."""
+        batcher = self._batchers.get(session.replica) if session.replica else None
+        if batcher is not None:
+            batcher.forget(session.key)
 
     def __init__(self, *args, prefill_chunk: int = 256, **kwargs):
         super().__init__(*args, **kwargs)
@@ -301,8 +319,11 @@ class TargetClient(WorkerClient):
     async def _send_batch(self, stub, requests: list, timeout_s: float):
         return await stub.VerifyBatch(target_pb2.VerifyBatchRequest(rounds=requests), timeout=timeout_s)
 
-    def _on_step(self, address: str, response, rounds: int) -> None:
-        self.costs.setdefault(address, StepCostModel()).observe(response.rows, response.step_s, rounds)
+    def _on_step(self, address: str, response, requests: list) -> None:
+        drafts = sum(len(r.draft_tokens) for r in requests)
+        drafting = sum(1 for r in requests if r.draft_tokens)
+        self.costs.setdefault(address, StepCostModel()).observe(response.rows, response.step_s, len(requests), drafts,
+                                                                drafting)
 
     @staticmethod
     def _round_tokens(request) -> int:
@@ -313,6 +334,12 @@ class TargetClient(WorkerClient):
         (coordinator.adaptive.StepCostModel); the one-request figure before any step."""
         model = self.costs.get(session.replica) if session.replica else None
         return model.draft_token_cost() if model is not None else DRAFT_TOKEN_COST
+
+    def propose_cost(self, session: WorkerSession, propose: RoundTimes) -> float:
+        """What asking the drafter (its rounds taking `propose`) costs now on the replica
+        serving the session, in its steps; the one-request figure before any step."""
+        model = self.costs.get(session.replica) if session.replica else None
+        return model.propose_cost(propose) if model is not None else PROPOSE_COST
 
     async def verify(self, session: WorkerSession, committed: list[int], drafts: list[int],
                      sampling: common_pb2.SamplingParams | None = None) -> target_pb2.Verdict:

@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from coordinator.adaptive import DRAFT_TOKEN_COST, AdaptiveK, StepCostModel
+from coordinator.adaptive import DRAFT_TOKEN_COST, PROPOSE_COST, AdaptiveK, DrafterRecord, RoundTimes, StepCostModel
 from coordinator.scheduler import RoundFailed, StepBatcher
 from draft_worker.drafters.model import ModelDrafter
 from draft_worker.propose import Proposer, Request
@@ -191,15 +191,81 @@ def test_step_batcher_budget_fifo_cancellation_and_failures():
     assert isinstance(failing[0], RoundFailed) and failing[0].code() == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.parametrize("gather", [False, True])
+def test_requests_answered_by_a_step_share_the_next_one_instead_of_leapfrogging(gather):
+    async def scenario():
+        steps: list[int] = []
+
+        async def send(requests, timeout_s):
+            steps.append(len(requests))
+            await asyncio.sleep(0.02)  # the worker's step
+            return FakeResponse(list(requests))
+
+        batcher = StepBatcher("target", send, token_budget=100, max_rounds=16, gather=gather)
+
+        async def request(key: str, delay: float):
+            await asyncio.sleep(delay)
+            for _ in range(8):
+                await batcher.submit(key, 1, 5.0, key=key)
+                await asyncio.sleep(0.001)  # commit, stream, decide the next round
+            batcher.forget(key)
+
+        # One request starts the first step alone; three arrive while it runs.
+        await asyncio.gather(request("a", 0.0), *(request(k, 0.005) for k in "bcd"))
+        return steps
+
+    steps = run(scenario())
+    if gather:
+        # One cohort from the second step on; "a", a step ahead, is done before the last.
+        assert steps == [1] + [4] * 7 + [3]
+    else:
+        assert steps[:4] == [1, 3, 1, 3]  # without gathering, two cohorts leapfrog each other
+
+
+def test_asking_the_drafter_costs_more_when_a_whole_step_waits_for_it():
+    propose = RoundTimes()
+    for _ in range(10):
+        propose.observe(0.003)
+    alone, crowd, all_draft = StepCostModel(), StepCostModel(), StepCostModel()
+    for step in range(40):
+        alone.observe(1, 0.030, 1, 0, 0)
+        crowd.observe(16, 0.050, 16, 0, 1 if step % 4 == 0 else 0)  # few of 16 requests draft
+        all_draft.observe(32, 0.060, 16, 16, 16)
+    assert alone.propose_cost(propose) == pytest.approx(0.1, rel=0.05)  # 3 ms of a 30 ms step
+    assert crowd.propose_cost(propose) > 0.5  # 16 requests wait 3 ms for the one drafting
+    assert all_draft.propose_cost(propose) == pytest.approx(0.003 / 0.060, rel=0.1)  # shared by all
+    assert StepCostModel().propose_cost(propose) == PROPOSE_COST  # no step seen yet
+
+
+def test_new_requests_start_from_the_drafters_recent_acceptance():
+    record = DrafterRecord()
+    assert record.start(4).best_k() == 4  # an unknown drafter is trusted at first
+    for _ in range(100):
+        record.update(4, 0)  # nothing it proposes is accepted
+    assert record.alpha < 0.05 and record.start(4).best_k() == 0
+    for _ in range(100):
+        record.update(4, 4)
+    assert record.alpha > 0.95 and record.start(4).best_k() == 4
+
+
 def test_draft_tokens_get_dearer_as_the_batch_grows():
     light, heavy = StepCostModel(), StepCostModel()
     for step in range(60):
-        # A weight-bound step: ~25 ms + 1.2 ms per row (the shape measured on SmolLM2).
-        rows = 1 + step % 5
-        light.observe(rows, 0.025 + 0.0012 * rows, 1)
-        heavy.observe(16 + step % 20, 0.025 + 0.0012 * (16 + step % 20), 16)
+        # ~25 ms + 1.2 ms per row: one request drafting 0–4 tokens, or 16 requests with 0–19
+        # draft tokens among them.
+        drafts = step % 5
+        light.observe(1 + drafts, 0.025 + 0.0012 * (1 + drafts), 1, drafts)
+        drafts = step % 20
+        heavy.observe(16 + drafts, 0.025 + 0.0012 * (16 + drafts), 16, drafts)
+        # Prefill chunks say nothing about draft tokens and are left out.
+        heavy.observe(256, 1.0, 2, 0)
     assert light.draft_token_cost() == pytest.approx(DRAFT_TOKEN_COST, abs=0.01)
     assert heavy.draft_token_cost() > 0.3
+    # Steps that all look alike leave the slope at its prior: one request's measured cost.
+    flat = StepCostModel()
+    for _ in range(30):
+        flat.observe(1, 0.03, 1, 0)
+    assert flat.draft_token_cost() == pytest.approx(DRAFT_TOKEN_COST, rel=0.05)
     adaptive = AdaptiveK(k_max=4)
     adaptive.accepted, adaptive.tried = 0.3, 1.0  # α = 0.3: worth drafting alone, not in a crowd
     assert adaptive.best_k(light.draft_token_cost()) > 0
