@@ -51,3 +51,26 @@ def test_smollm2_greedy_output_equals_target_alone(smollm2):
             assert base.token_ids == expected
     # The n-gram drafter copies from a grounded prompt: speculation is doing work there.
     assert spec["grounded"].stats["accepted"] > 0
+
+
+def test_the_shipped_distilled_draft_changes_speed_only(smollm2):
+    """drafts/smollm2-135m-draft (trained by `specdec distill`) through the services: the
+    output is the target's alone, and the draft's blocks are actually accepted."""
+    from pathlib import Path
+
+    model, tokenizer = smollm2
+    draft, draft_tokenizer = load_model(str(Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-draft"))
+    assert draft_tokenizer.get_vocab() == tokenizer.get_vocab()
+
+    async def scenario():
+        async with running_stack(model, tokenizer, draft=draft) as stack:
+            async with Client(stack.address) as client:
+                return {name: await client.complete(make_request(prompt, max_new_tokens=MAX_NEW, k=4))
+                        for name, prompt in PROMPTS.items()}
+
+    results = run(scenario())
+    for name, prompt in PROMPTS.items():
+        prompt_ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                        add_generation_prompt=True)["input_ids"])
+        assert results[name].token_ids == reference_greedy(model, prompt_ids, MAX_NEW), name
+    assert sum(r.stats["accepted"] for r in results.values()) > 0
