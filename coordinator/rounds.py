@@ -18,7 +18,7 @@ import grpc
 
 from coordinator.adaptive import DrafterRecord
 from coordinator.detokenizer import IncrementalDetokenizer, StopMatcher
-from coordinator.workers import DraftClient, TargetClient, WorkerSession
+from coordinator.workers import DraftClient, FeatureLog, TargetClient, WorkerSession
 from specdec import metrics
 from specdec.errors import Unavailable
 from specdec.sampling import GREEDY, Sampling
@@ -100,6 +100,9 @@ class RoundRunner:
         use_draft = plan.speculate and self.draft is not None
         sampling = None if plan.sampling.greedy else plan.sampling.to_proto()
         adaptive = self.drafter_record.start(plan.k)
+        # A drafter that reads the target's features (specdec.eagle) gets them from the
+        # verdicts; it can draft once the target has seen the context (from round 2).
+        features = FeatureLog(self.draft.feature_size) if use_draft and self.draft.feature_size else None
         try:
             while finish == FinishReason.FINISH_REASON_UNSPECIFIED:
                 remaining = plan.max_new_tokens - stats.generated
@@ -113,8 +116,10 @@ class RoundRunner:
                                          self.target.propose_cost(target_session, self.draft.round_times)),
                          remaining - 1, room - 1)
                      if use_draft else 0)
-                drafts = await self._propose(draft_session, committed, k, stats) if k > 0 else []
-                verdict = await self.target.verify(target_session, committed, drafts, sampling)
+                if features is not None and features.count < len(committed) - 1:
+                    k = 0
+                drafts = await self._propose(draft_session, committed, k, stats, features) if k > 0 else []
+                verdict = await self.target.verify(target_session, committed, drafts, sampling, features)
                 stats.rounds += 1
                 adaptive.update(len(drafts), verdict.accepted)
                 self.drafter_record.update(len(drafts), verdict.accepted)
@@ -169,11 +174,12 @@ class RoundRunner:
         stats.generated += len(out)
         return out, finish
 
-    async def _propose(self, session: WorkerSession, committed: list[int], k: int, stats: Stats) -> list[int]:
+    async def _propose(self, session: WorkerSession, committed: list[int], k: int, stats: Stats,
+                       features: FeatureLog | None = None) -> list[int]:
         """Draft tokens, or none when the draft worker is down: the target alone still
         gives the exact output, only slower (DESIGN.md principle 4)."""
         try:
-            block = await self.draft.propose(session, committed, k)
+            block = await self.draft.propose(session, committed, k, features)
         except (Unavailable, grpc.aio.AioRpcError) as exc:
             stats.draft_failures += 1
             log.warning("draft worker failed (%s); this round decodes with the target alone", exc)

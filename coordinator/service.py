@@ -18,7 +18,7 @@ from coordinator.workers import DraftClient, TargetClient, model_shape
 from specdec import logs, metrics
 from specdec.auth import AuthInterceptor, TokenSet, client_identity
 from specdec.config import CoordinatorConfig
-from specdec.errors import ResourceExhausted, SpecdecError, Unavailable
+from specdec.errors import FailedPrecondition, ResourceExhausted, SpecdecError, Unavailable
 from specdec.models import load_tokenizer, vocab_hash
 from specdec.serving import RunningServer, start_server
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -150,6 +150,15 @@ async def connect(config: CoordinatorConfig, tokenizer=None, startup_timeout_s: 
             except Unavailable as exc:
                 log.warning("%s; starting without speculation until a draft replica appears", exc)
         check_compatible(target_info, draft_info, len(tokenizer), vocab_hash(tokenizer))
+        if draft is not None:
+            draft.target_feature_size = target_info.feature_size
+            if draft_info is not None and draft_info.feature_size:
+                if draft_info.feature_size != target_info.feature_size:
+                    raise FailedPrecondition(
+                        f"draft {draft_info.model!r} reads target features of width {draft_info.feature_size}, but "
+                        f"target {target_info.model!r} returns width {target_info.feature_size or 'none'}: the "
+                        "draft head was trained for another target")
+                draft.feature_size = draft_info.feature_size
         target.accepted_vocab_hashes = {target_info.vocab_hash}
         target.expected_shape = model_shape(target_info)
         if draft is not None:

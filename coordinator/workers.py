@@ -80,6 +80,32 @@ class WorkerSession:
         return self.session_id.rpartition("/")[0] or self.session_id
 
 
+class FeatureLog:
+    """One generation's target features (float16 rows of `size`), by position: what the
+    target's verdicts returned, for a drafter that reads them (specdec.eagle)."""
+
+    def __init__(self, size: int):
+        self.row = 2 * size
+        self.data = bytearray()
+
+    @property
+    def count(self) -> int:
+        """Positions 0 … count-1 are known."""
+        return len(self.data) // self.row
+
+    def put(self, start: int, data: bytes) -> None:
+        if not data:
+            return
+        if start > self.count or len(data) % self.row:
+            log.warning("features of positions from %d do not continue the %d known; dropped", start, self.count)
+            return
+        del self.data[start * self.row:]
+        self.data += data
+
+    def rows(self, first: int, end: int) -> bytes:
+        return bytes(self.data[first * self.row:end * self.row])
+
+
 class WorkerClient:
     kind = ""
     service_name = ""
@@ -100,6 +126,8 @@ class WorkerClient:
         # targets) the model's shape; None: not known yet (admit anything).
         self.accepted_vocab_hashes: set[str] | None = None
         self.expected_shape: tuple | None = None
+        # The target's feature width: a draft replica reading features of another is refused.
+        self.target_feature_size = 0
         self.pool = WorkerPool(self.kind, endpoints, self.service_name, channel_options(max_message_bytes),
                                resolve_interval_s, health_interval_s, resolver, admit=self._admit, tls=tls)
         self._stubs: dict[str, object] = {}
@@ -177,6 +205,10 @@ class WorkerClient:
         info = await self.stub(replica).GetInfo(common_pb2.WorkerInfoRequest(), timeout=INFO_TIMEOUT_S)
         if self.expected_shape is not None and model_shape(info) != self.expected_shape:
             return False
+        if self.kind == "draft" and info.feature_size:
+            if info.feature_size != self.target_feature_size:
+                return False
+            self.feature_size = info.feature_size  # a head that joined after start: send it features
         return info.vocab_hash in self.accepted_vocab_hashes
 
     async def info(self, timeout_s: float) -> common_pb2.WorkerInfo:
@@ -284,15 +316,26 @@ class DraftClient(WorkerClient):
     service_name = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
     patient = False  # the target alone is always a correct fallback
 
+    # Width of the target features the drafter reads (WorkerInfo.feature_size; 0: none).
+    feature_size = 0
+
     def _make_stub(self, channel):
         return draft_pb2_grpc.DraftWorkerStub(channel)
 
     async def _send_batch(self, stub, requests: list, timeout_s: float):
         return await stub.ProposeBatch(draft_pb2.ProposeBatchRequest(rounds=requests), timeout=timeout_s)
 
-    async def propose(self, session: WorkerSession, committed: list[int], k: int) -> draft_pb2.DraftBlock:
-        return await self._round(session, committed, lambda delta: draft_pb2.ProposeRequest(delta=delta, k=k),
-                                 "Propose")
+    async def propose(self, session: WorkerSession, committed: list[int], k: int,
+                      features: FeatureLog | None = None) -> draft_pb2.DraftBlock:
+        def request(delta: common_pb2.SessionDelta) -> draft_pb2.ProposeRequest:
+            if features is None:
+                return draft_pb2.ProposeRequest(delta=delta, k=k)
+            # The feature of the position before each committed token the delta carries.
+            first = max(delta.start - 1, 0)
+            return draft_pb2.ProposeRequest(delta=delta, k=k, feature_start=first,
+                                            features=features.rows(first, len(committed) - 1))
+
+        return await self._round(session, committed, request, "Propose")
 
 
 class TargetClient(WorkerClient):
@@ -342,16 +385,26 @@ class TargetClient(WorkerClient):
         return model.propose_cost(propose) if model is not None else PROPOSE_COST
 
     async def verify(self, session: WorkerSession, committed: list[int], drafts: list[int],
-                     sampling: common_pb2.SamplingParams | None = None) -> target_pb2.Verdict:
+                     sampling: common_pb2.SamplingParams | None = None,
+                     features: FeatureLog | None = None) -> target_pb2.Verdict:
+        """One round; with `features`, the verdicts' target features go into it."""
+        wanted = features is not None
         if self.batching:
             # Chunked prefill: a long run of committed tokens (a new prompt, a resync) goes
             # prefill_chunk tokens per step, so it never makes one step long for every other
             # request in it. The target's answers to the partial prefixes are not used.
             while len(committed) - min(session.sent, len(committed) - 1) > self.prefill_chunk + 1:
                 end = min(session.sent, len(committed) - 1) + self.prefill_chunk
-                await self._round(session, committed[:end],
-                                  lambda delta: target_pb2.VerifyRequest(delta=delta), "Verify")
-        return await self._round(
+                partial = await self._round(
+                    session, committed[:end],
+                    lambda delta: target_pb2.VerifyRequest(delta=delta, return_features=wanted), "Verify")
+                if wanted:
+                    features.put(partial.feature_start, partial.features)
+        verdict = await self._round(
             session, committed,
-            lambda delta: target_pb2.VerifyRequest(delta=delta, draft_tokens=drafts, sampling=sampling), "Verify",
+            lambda delta: target_pb2.VerifyRequest(delta=delta, draft_tokens=drafts, sampling=sampling,
+                                                   return_features=wanted), "Verify",
         )
+        if wanted:
+            features.put(verdict.feature_start, verdict.features)
+        return verdict

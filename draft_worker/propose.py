@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 
 from draft_worker.drafters.base import Drafter
+from draft_worker.drafters.eagle import Features
 from specdec.errors import InvalidArgument, SpecdecError
 from specdec.sessions import Resync, SessionStore
 
@@ -24,6 +25,8 @@ class Request:
     start: int
     tokens: list[int]
     k: int
+    # For a drafter that reads target features: (feature_start, float16 bytes).
+    features: tuple[int, bytes] | None = None
 
 
 @dataclass(frozen=True)
@@ -37,10 +40,13 @@ class Proposer:
         self.drafter = drafter
         self.store = store
         self.max_k = max_k
+        # Width of the target features the drafter reads (0: none).
+        self.feature_size = int(getattr(drafter, "feature_size", 0) or 0)
 
-    def propose(self, session_id: str, start: int, tokens: list[int], k: int) -> Proposal | Resync:
+    def propose(self, session_id: str, start: int, tokens: list[int], k: int,
+                features: tuple[int, bytes] | None = None) -> Proposal | Resync:
         """One round alone (the unary Propose rpc); errors raise."""
-        result = self.propose_batch([Request(session_id, start, tokens, k)]).results[0]
+        result = self.propose_batch([Request(session_id, start, tokens, k, features)]).results[0]
         if isinstance(result, BaseException):
             raise result
         return result
@@ -61,6 +67,10 @@ class Proposer:
                     raise InvalidArgument(f"k must be in 1..{self.max_k}, got {req.k}")
                 if any(t < 0 for t in req.tokens):
                     raise InvalidArgument("delta.tokens: token ids must be non-negative")
+                features = None
+                if self.feature_size:
+                    start, data = req.features or (0, b"")
+                    features = Features(start, data, self.feature_size)
                 synced = self.store.sync(req.session_id, req.start, req.tokens)
             except SpecdecError as exc:
                 results[i] = exc
@@ -68,18 +78,24 @@ class Proposer:
             if isinstance(synced, Resync):
                 results[i] = synced
             else:
-                ready.append((i, synced))
+                ready.append((i, synced, features))
         if ready:
             try:
-                proposals = self.drafter.propose_batch([s for _, s in ready], [requests[i].k for i, _ in ready])
+                if self.feature_size:
+                    proposals = self.drafter.propose_batch([s for _, s, _ in ready], [requests[i].k for i, _, _ in ready],
+                                                           [f for _, _, f in ready])
+                else:
+                    proposals = self.drafter.propose_batch([s for _, s, _ in ready],
+                                                           [requests[i].k for i, _, _ in ready])
             except Exception as exc:  # noqa: BLE001 - every round of the step failed alike
-                for i, synced in ready:
+                for i, synced, _ in ready:
                     results[i] = exc
                     self.store.release(synced.session.session_id)  # its cache is suspect
                 ready, proposals = [], []
             elapsed = time.perf_counter() - began
-            for (i, synced), proposal in zip(ready, proposals):
-                results[i] = Proposal(proposal, elapsed)
-            for _, synced in ready:
+            for (i, synced, _), proposal in zip(ready, proposals):
+                # A drafter lacking the features it must feed asks for them (Resync).
+                results[i] = proposal if isinstance(proposal, Resync) else Proposal(proposal, elapsed)
+            for _, synced, _ in ready:
                 self.store.enforce_budget(keep=synced.session.session_id)
         return BatchOutcome(results, time.perf_counter() - began)

@@ -6,6 +6,7 @@ import logging
 
 import grpc
 
+from draft_worker.drafters.eagle import EagleDrafter
 from draft_worker.drafters.model import ModelDrafter
 from draft_worker.drafters.ngram import NgramDrafter
 from draft_worker.propose import Proposer, Request
@@ -13,7 +14,9 @@ from specdec import logs, metrics
 from specdec.config import WorkerConfig
 from specdec.cpu_fast import serving_lm
 from specdec.errors import InvalidArgument
-from specdec.models import NGRAM, load_model
+from specdec import eagle
+from specdec.eagle import is_eagle_dir
+from specdec.models import NGRAM, load_model, vocab_hash
 from specdec.serving import ModelThread, RunningServer, start_server
 from specdec.sessions import Resync, SessionStore
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -39,7 +42,8 @@ class DraftWorkerServicer(SessionWorkerRpcs, draft_pb2_grpc.DraftWorkerServicer)
         evictions = self.store.evictions
         with metrics.worker_call("draft", "Propose"):
             result = await self.thread.run(
-                self.proposer.propose, delta.session_id, delta.start, list(delta.tokens), request.k
+                self.proposer.propose, delta.session_id, delta.start, list(delta.tokens), request.k,
+                (request.feature_start, request.features),
             )
         log.debug("propose %s: start %d, %d new tokens, k %d -> %s", delta.session_id, delta.start,
                   len(delta.tokens), request.k, result)
@@ -55,7 +59,8 @@ class DraftWorkerServicer(SessionWorkerRpcs, draft_pb2_grpc.DraftWorkerServicer)
                            context: grpc.aio.ServicerContext) -> draft_pb2.ProposeBatchResponse:
         if len(request.rounds) > self.max_batch_rounds:
             raise InvalidArgument(f"rounds: {len(request.rounds)} exceeds the limit of {self.max_batch_rounds}")
-        requests = [Request(r.delta.session_id, r.delta.start, list(r.delta.tokens), r.k) for r in request.rounds]
+        requests = [Request(r.delta.session_id, r.delta.start, list(r.delta.tokens), r.k, (r.feature_start, r.features))
+                    for r in request.rounds]
         evictions = self.store.evictions
         with metrics.worker_call("draft", "ProposeBatch", len(requests)):
             outcome = await self.thread.run(self.proposer.propose_batch, requests)
@@ -88,6 +93,24 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> DraftWor
         drafter = NgramDrafter()
         info = common_pb2.WorkerInfo(model=NGRAM)
         bytes_per_token = NGRAM_TOKEN_BYTES
+    elif isinstance(model, eagle.EagleHead) or (model is None and is_eagle_dir(config.model)):
+        def load_head():
+            from specdec.models import load_tokenizer
+
+            # A head reads the target's embeddings: loading it loads them (by its config's
+            # target spec), and the target's tokenizer is the one it shares.
+            head = model if model is not None else eagle.load(config.model)
+            loaded_tokenizer = tokenizer if tokenizer is not None else load_tokenizer(head.config.target)
+            info = common_pb2.WorkerInfo(model=config.model, feature_size=head.config.hidden_size,
+                                         model_vocab_size=int(head.embed.shape[0]),
+                                         max_context=head.config.max_position_embeddings,
+                                         tokenizer_vocab_size=len(loaded_tokenizer),
+                                         vocab_hash=vocab_hash(loaded_tokenizer))
+            return head, info
+
+        head, info = thread.call(load_head)
+        drafter = EagleDrafter(config.model, head)
+        bytes_per_token = drafter.bytes_per_token
     else:
         def load():
             loaded, loaded_tokenizer = (model, tokenizer) if model is not None else load_model(config.model,

@@ -67,6 +67,7 @@ EVAL_K = 4  # draft tokens per round in the simulated acceptance
 EVAL_BATCH = 16  # held-out sequences per evaluation forward
 MIN_LR_RATIO = 0.1  # cosine decay ends at this fraction of --lr
 WORK_SUFFIX = ".work"
+MODEL, EAGLE = "model", "eagle"  # the kinds of draft `specdec distill` trains
 RECORD_NAME = "distill.json"
 
 
@@ -95,6 +96,9 @@ class DistillConfig:
     """Shards, checkpoints and metrics; default `<out_dir>.work` (keep it out of git)."""
     resume: bool = False
     """Continue from the work directory; without it a non-empty work directory is refused."""
+    kind: str = "model"
+    """"model": a standalone small causal LM; "eagle": a feature-level head that reads the
+    target's hidden states (specdec.eagle)."""
     layers: int = 2
     """Decoder layers of the draft."""
     hidden: int = 256
@@ -153,6 +157,12 @@ class DistillConfig:
     """Show progress bars on stderr."""
     command: str = ""
     """The command line, for the training record."""
+    draft_vocab: int = 8192
+    """--kind eagle: target tokens the head can propose (the most frequent in the data)."""
+    unroll: int = 3
+    """--kind eagle: drafting steps unrolled per training step (training-time test)."""
+    feature_weight: float = 1.0
+    """--kind eagle: weight of the feature regression (smooth L1) beside the token losses."""
 
     @property
     def work(self) -> Path:
@@ -221,6 +231,10 @@ class Generated:
     answers: list[list[int]]
     topk_ids: list[torch.Tensor]  # each [answer_len, K] int32
     topk_logprobs: list[torch.Tensor]  # each [answer_len, K] float16
+    # With features=True: per row the target's last hidden state (after the final norm, what
+    # its LM head reads) at every fed position, prompt then answer: [prompt + answer - 1, H]
+    # float16 (the last answer token is never fed). Position p's feature predicts token p+1.
+    features: list[torch.Tensor] | None = None
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
@@ -239,7 +253,7 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: t
 @_inference
 def teacher_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: list[int], max_new_tokens: int,
                      top_k: int, sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-                     generator: torch.Generator | None = None, new_cache=None) -> Generated:
+                     generator: torch.Generator | None = None, new_cache=None, features: bool = False) -> Generated:
     """The teacher answers a batch of prompts in lockstep: left-padded prefill, then one
     token per step for every unfinished row, recording the top-K log-probs of each step.
 
@@ -267,9 +281,18 @@ def teacher_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: l
     alive = torch.arange(batch)  # original row of each live batch row
     done = torch.zeros(batch, dtype=torch.bool)  # [b], live rows that emitted EOS
     eos = torch.tensor(eos_ids or [-1], device=device)
+    hidden_size = model.config.hidden_size
+    out_features = torch.zeros((batch, max_new_tokens, hidden_size) if features else (0,), dtype=torch.float16)
 
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                   logits_to_keep=1).logits[:, -1].float()  # [b, V]
+    def forward(input_ids, attention_mask, position_ids):
+        """Logits of the last position [b, V], and the last hidden states [b, n, H]."""
+        hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             cache=cache, use_cache=True).last_hidden_state  # [b, n, H]
+        return model.lm_head(hidden[:, -1]).float(), hidden
+
+    logits, hidden = forward(ids, mask, positions)
+    prompt_features = [hidden[row, longest - len(p):].to(torch.float16).cpu() for row, p in enumerate(prompts)] \
+        if features else []
     for step in range(max_new_tokens):
         logprobs = torch.log_softmax(logits, dim=-1)  # [b, V]
         top = torch.topk(logprobs, top_k, dim=-1)  # [b, K]
@@ -293,12 +316,15 @@ def teacher_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: l
             done = done[keep]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)  # [b, P + step + 1]
         positions = positions[:, -1:] + 1  # [b, 1]
-        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions, cache=cache,
-                       use_cache=True).logits[:, -1].float()  # [b, V]
+        logits, hidden = forward(token[:, None], mask, positions)
+        if features:  # the feature of answer token `step`, which was just fed
+            out_features[alive, step] = hidden[:, -1].to(torch.float16).cpu()
     answers = [out_tokens[row, :lengths[row]].tolist() for row in range(batch)]
     return Generated([list(p) for p in prompts], answers,
                      [out_ids[row, :lengths[row]].clone() for row in range(batch)],
-                     [out_logprobs[row, :lengths[row]].clone() for row in range(batch)])
+                     [out_logprobs[row, :lengths[row]].clone() for row in range(batch)],
+                     [torch.cat([prompt_features[row], out_features[row, :lengths[row] - 1]])
+                      for row in range(batch)] if features else None)
 
 
 def _teacher_for_generation(target):
@@ -355,7 +381,7 @@ def generate_data(config: DistillConfig, target, tokenizer, deadline: float) -> 
         result = teacher_generate(model, batch, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=config.max_new_tokens,
                                   top_k=config.top_k, sample=shard.sample != GREEDY_SAMPLE,
                                   temperature=config.temperature, top_p=config.top_p, generator=generator,
-                                  new_cache=cache_factory)
+                                  new_cache=cache_factory, features=config.kind == EAGLE)
         _atomic_save({"shard": asdict(shard), **asdict(result)}, data_dir / shard.path_name)
         last_shard_s = time.monotonic() - began
         tokens = sum(len(a) for a in result.answers)
@@ -545,6 +571,22 @@ def simulate_rounds(agree: list[bool], k: int) -> tuple[int, int, int]:
     return rounds, proposed, accepted
 
 
+def simulate_chains(chain_ok: list[list[bool]], prompt_len: int, length: int, k: int) -> tuple[int, int, int]:
+    """(rounds, proposed, accepted) of greedy speculative decoding along a reference of
+    `length` tokens (the first prompt_len the prompt), given chain_ok[s][c]: the draft's
+    (s+1)-th token of a chain started after committed position c is the reference's."""
+    rounds = proposed = accepted = 0
+    last = prompt_len - 1  # the last committed position
+    while last < length - 1:
+        block = min(k, length - 1 - last)
+        run = 0
+        while run < block and chain_ok[run][last]:
+            run += 1
+        rounds, proposed, accepted = rounds + 1, proposed + block, accepted + run
+        last += run + 1
+    return rounds, proposed, accepted
+
+
 @_inference
 def evaluate(student, examples: list[Example], pad_id: int, k: int = EVAL_K) -> dict:
     """Held-out top-1 agreement with the teacher, and the acceptance it implies at k (fp32,
@@ -601,7 +643,7 @@ def _lr(config: DistillConfig, step: int, progress: float) -> float:
 def _optimizer(student, config: DistillConfig) -> torch.optim.Optimizer:
     import torch
 
-    embedding = student.get_input_embeddings().weight
+    embedding = student.get_input_embeddings().weight if hasattr(student, "get_input_embeddings") else None
     decay = [p for p in student.parameters() if p.ndim == 2 and p is not embedding]
     rest = [p for p in student.parameters() if not (p.ndim == 2 and p is not embedding)]
     return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
@@ -638,8 +680,16 @@ class _StopFlag:
             signal.signal(signum, handler)
 
 
-def train(config: DistillConfig, student, train_set: list[Example], heldout: list[Example], pad_id: int,
-          deadline: float) -> TrainState:
+def _student_shape(student) -> dict:
+    from specdec import eagle
+
+    if isinstance(student, eagle.EagleHead):
+        return {"kind": EAGLE, **asdict(student.config)}
+    return {k: getattr(student.config, k) for k in ("num_hidden_layers", "hidden_size", "intermediate_size")}
+
+
+def train(config: DistillConfig, student, train_set: list, heldout: list, pad_id: int,
+          deadline: float, index_of=None) -> TrainState:
     """Trains from the checkpoint in the work dir if there is one; stops at --steps, at
     `deadline` (monotonic) or on a signal; returns the final state (checkpointed)."""
     import torch
@@ -647,10 +697,11 @@ def train(config: DistillConfig, student, train_set: list[Example], heldout: lis
     checkpoint_path = config.work / "checkpoint.pt"
     optimizer = _optimizer(student, config)
     state = TrainState()
+    eagle_kind = config.kind == EAGLE
     if checkpoint_path.exists():
         saved = torch.load(checkpoint_path, weights_only=False)
-        shape = {k: saved["student_config"].get(k) for k in ("num_hidden_layers", "hidden_size", "intermediate_size")}
-        wanted = {k: getattr(student.config, k) for k in shape}
+        wanted = _student_shape(student)
+        shape = {k: saved["student_config"].get(k) for k in wanted}
         if shape != wanted:
             raise ValueError(f"--resume: the checkpoint's draft is {shape}, the flags ask for {wanted}")
         student.load_state_dict(saved["model"])
@@ -663,7 +714,7 @@ def train(config: DistillConfig, student, train_set: list[Example], heldout: lis
 
     def save() -> None:
         _atomic_save({"model": student.state_dict(), "optimizer": optimizer.state_dict(),
-                      "state": asdict(state), "student_config": student.config.to_dict()}, checkpoint_path)
+                      "state": asdict(state), "student_config": _student_shape(student)}, checkpoint_path)
 
     def record(entry: dict) -> None:
         state.history.append(entry)
@@ -684,17 +735,26 @@ def train(config: DistillConfig, student, train_set: list[Example], heldout: lis
                 state.epoch, state.cursor = state.epoch + 1, 0
                 order = _permutation(len(train_set), config.seed, state.epoch)
             picked = order[state.cursor:state.cursor + config.batch_size]
-            batch = collate([train_set[i] for i in picked], pad_id)
             lr = _lr(config, state.step, progress)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             began = time.monotonic()
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
-                hidden = student.model(input_ids=batch.input_ids).last_hidden_state  # [B, T, H]
-                hidden = hidden.reshape(-1, hidden.shape[-1])[batch.rows]  # [N, H]
-                logits = student.lm_head(hidden)  # [N, V]
-            soft, hard = topk_distill_loss(logits.float(), batch.topk_ids, batch.topk_probs)  # [N], [N]
-            loss = soft.mean() + config.hard_weight * hard.mean()
+            if eagle_kind:
+                from specdec import distill_eagle
+
+                batch = distill_eagle.collate([train_set[i] for i in picked], pad_id, index_of)
+                loss, parts = distill_eagle.step_loss(student, batch, config.unroll, config.hard_weight,
+                                                      config.feature_weight, config.bf16)
+            else:
+                batch = collate([train_set[i] for i in picked], pad_id)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
+                    hidden = student.model(input_ids=batch.input_ids).last_hidden_state  # [B, T, H]
+                    hidden = hidden.reshape(-1, hidden.shape[-1])[batch.rows]  # [N, H]
+                    logits = student.lm_head(hidden)  # [N, V]
+                soft, hard = topk_distill_loss(logits.float(), batch.topk_ids, batch.topk_probs)  # [N], [N]
+                loss = soft.mean() + config.hard_weight * hard.mean()
+                parts = {"kl": (soft.detach() + batch.teacher_neg_entropy).mean().item(),
+                         "ce_top1": hard.detach().mean().item()}
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
@@ -703,8 +763,7 @@ def train(config: DistillConfig, student, train_set: list[Example], heldout: lis
             state.step += 1
             state.cursor += len(picked)
             state.tokens_seen += len(batch.rows)
-            window.append({"loss": loss.item(), "kl": (soft.detach() + batch.teacher_neg_entropy).mean().item(),
-                           "ce_top1": hard.detach().mean().item(), "tokens": len(batch.rows),
+            window.append({"loss": loss.item(), **parts, "tokens": len(batch.rows),
                            "seconds": time.monotonic() - began})
             bar.update(1)
             if state.step % config.log_every == 0:
@@ -715,7 +774,7 @@ def train(config: DistillConfig, student, train_set: list[Example], heldout: lis
                          entry["epoch"], lr, entry["loss"], entry["kl"], entry["ce_top1"], entry["tokens_per_s"])
                 window = []
             if state.step % config.eval_every == 0 and heldout:
-                metrics = evaluate(student, heldout, pad_id)
+                metrics = evaluate_kind(config, student, heldout, pad_id, index_of)
                 record({"step": state.step, **metrics})
                 log.info("step %d held-out: top-1 agreement %.3f, simulated k=%d acceptance %.3f (alpha %.3f), "
                          "%.2f tokens/round", state.step, metrics["heldout_top1_agreement"], EVAL_K,
@@ -729,12 +788,21 @@ def train(config: DistillConfig, student, train_set: list[Example], heldout: lis
     return state
 
 
+def evaluate_kind(config: DistillConfig, student, heldout: list, pad_id: int, index_of=None) -> dict:
+    if config.kind == EAGLE:
+        from specdec import distill_eagle
+
+        return distill_eagle.evaluate(student, heldout, pad_id, index_of, EVAL_K)
+    return evaluate(student, heldout, pad_id)
+
+
 def _summarise(window: list[dict], state: TrainState, lr: float, n_train: int) -> dict:
     tokens = sum(w["tokens"] for w in window)
     seconds = sum(w["seconds"] for w in window)
     return {"step": state.step, "epoch": state.epoch + state.cursor / max(1, n_train), "lr": lr,
             "loss": statistics.fmean(w["loss"] for w in window), "kl": statistics.fmean(w["kl"] for w in window),
             "ce_top1": statistics.fmean(w["ce_top1"] for w in window),
+            **({"feature_l1": statistics.fmean(w["feature_l1"] for w in window)} if "feature_l1" in window[0] else {}),
             "tokens_per_s": tokens / seconds if seconds else 0.0, "trained_s": state.trained_s}
 
 
@@ -786,14 +854,28 @@ def _dir_mb(path: Path) -> float:
 
 def _write_model_card(out_dir: Path, record: dict) -> None:
     final, data, training = record["final"], record["data"], record["training"]
+    student = record["student"]
+    if record.get("kind") == EAGLE:
+        about = ("A feature-level draft head (specdec.eagle, in the style of EAGLE): one decoder layer that reads "
+                 "the target's hidden states, which the target worker returns with each verdict, and proposes "
+                 "through the target's own embeddings and LM-head rows (loaded from the target, not stored here). "
+                 "Trained by self-distillation on text the target generated. Use it with `specdec up --draft DIR` "
+                 "or `specdec serve draft --model DIR`; not a Hugging Face model.")
+        shape = (f"1 decoder layer, hidden {student['hidden']}, MLP {student['intermediate']}, draft vocabulary "
+                 f"{student['draft_vocab']} tokens ({record['data'].get('draft_vocab_coverage_heldout', 0):.3f} of "
+                 f"held-out greedy tokens), {student['parameters'] / 1e6:.1f}M trained parameters, bfloat16 "
+                 f"({student['dir_mb']:.1f} MB); {student['feature_bytes_per_token']} feature bytes per token "
+                 "on the wire")
+    else:
+        about = ("A small LlamaForCausalLM sharing the target's tokenizer, trained by self-distillation on text the "
+                 "target generated (its top-K distributions). Use it with `specdec up --draft DIR`, "
+                 "`specdec serve draft --model DIR`, or Hugging Face `generate(..., assistant_model=draft)`.")
+        shape = (f"{student['layers']} layers, hidden {student['hidden']}, {student['parameters'] / 1e6:.1f}M "
+                 f"parameters, bfloat16 ({student['dir_mb']:.1f} MB)")
     lines = [
-        f"# Draft for `{record['target']}`, trained by `specdec distill`", "",
-        "A small LlamaForCausalLM sharing the target's tokenizer, trained by self-distillation on text the "
-        "target generated (its top-K distributions). Use it with `specdec up --draft DIR`, "
-        "`specdec serve draft --model DIR`, or Hugging Face `generate(..., assistant_model=draft)`.", "",
+        f"# Draft for `{record['target']}`, trained by `specdec distill`", "", about, "",
         f"- command: `{record['command']}`",
-        f"- architecture: {record['student']['layers']} layers, hidden {record['student']['hidden']}, "
-        f"{record['student']['parameters'] / 1e6:.1f}M parameters, bfloat16 ({record['student']['dir_mb']:.1f} MB)",
+        f"- architecture: {shape}",
         f"- data: {data['generated_tokens']} teacher tokens from {data['train_prompts']} training prompts "
         f"({data['shards_done']} of {data['shards_planned']} planned shards, {data['seconds'] / 60:.1f} min, "
         f"{data['tokens_per_s']:.0f} tok/s)",
@@ -821,7 +903,7 @@ def _prepare_work_dir(config: DistillConfig) -> None:
     identity = {"target": config.target, "train_prompts": config.train_prompts, "heldout_prompts": config.heldout_prompts,
                 "samples_per_prompt": config.samples_per_prompt, "temperature": config.temperature,
                 "top_p": config.top_p, "max_new_tokens": config.max_new_tokens, "gen_batch": config.gen_batch,
-                "top_k": config.top_k, "seed": config.seed,
+                "top_k": config.top_k, "seed": config.seed, "features": config.kind == EAGLE,
                 "prompt_set": hashlib.sha256("\n".join(p.text for p in distill_prompts.build_prompts())
                                              .encode()).hexdigest()[:16]}
     meta_path = work / "meta.json"
@@ -859,6 +941,8 @@ def run(config: DistillConfig) -> dict:
         data = json.loads((config.work / "data.json").read_text())
     else:
         data = generate_data(config, target, tokenizer, min(end, began + data_minutes * 60))
+    if config.kind == EAGLE:
+        return _run_eagle(config, target, tokenizer, data, began, end)
     train_set, heldout = load_examples(config.work, TRAIN), load_examples(config.work, HELDOUT)
     data["train_sequences"], data["train_positions"] = len(train_set), sum(len(e.topk_ids) for e in train_set)
     data["heldout_positions"] = sum(len(e.topk_ids) for e in heldout)
@@ -895,6 +979,83 @@ def run(config: DistillConfig) -> dict:
         _write_model_card(config.out_dir, record)
     log.info("wrote %s (%.1f MB): held-out agreement %.3f, simulated alpha %.3f, %.2f tokens/round, c %.3f",
              config.out_dir, record["student"]["dir_mb"], final.get("heldout_top1_agreement", math.nan),
+             final.get("sim_alpha", math.nan), final.get("sim_tokens_per_round", math.nan), cost["c"])
+    return record
+
+
+def _run_eagle(config: DistillConfig, target, tokenizer, data: dict, began: float, end: float) -> dict:
+    """The rest of `run` for a feature-level head (specdec.eagle)."""
+    import torch
+
+    from specdec import distill_eagle, eagle
+    from specdec.models import eos_token_ids
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    train_set = distill_eagle.load_examples(config.work, TRAIN)
+    heldout = distill_eagle.load_examples(config.work, HELDOUT)
+    if not train_set:
+        raise ValueError("no training data: the data budget ended before the first training shard")
+    vocab_size = int(target.get_output_embeddings().weight.shape[0])
+    vocab_path = config.work / "draft_vocab.pt"
+    if vocab_path.exists():  # chosen when training began: a resume keeps it
+        draft_vocab = torch.load(vocab_path, weights_only=True)
+    else:
+        draft_vocab = distill_eagle.choose_vocab(train_set, min(config.draft_vocab, vocab_size),
+                                                 eos_token_ids(target, tokenizer), vocab_size)
+        _atomic_save(draft_vocab, vocab_path)
+    index_of = torch.full((vocab_size,), -1, dtype=torch.long)
+    index_of[draft_vocab] = torch.arange(len(draft_vocab))
+    data["train_sequences"], data["train_positions"] = len(train_set), sum(len(e.topk_ids) for e in train_set)
+    data["heldout_positions"] = sum(len(e.topk_ids) for e in heldout)
+    data["draft_vocab"] = len(draft_vocab)
+    data["draft_vocab_coverage_train"] = distill_eagle.vocab_coverage(train_set, draft_vocab, vocab_size)
+    data["draft_vocab_coverage_heldout"] = distill_eagle.vocab_coverage(heldout, draft_vocab, vocab_size)
+    log.info("data: %d training sequences (%d answer positions), %d held-out; draft vocabulary %d tokens covers "
+             "%.3f of the held-out greedy tokens", len(train_set), data["train_positions"], len(heldout),
+             len(draft_vocab), data["draft_vocab_coverage_heldout"])
+    head = eagle.build(eagle.new_config(target, config.target, len(draft_vocab)), target, draft_vocab)
+    state = train(config, head, train_set, heldout, pad_id, end - FINAL_RESERVE_S, index_of=index_of)
+
+    out_dir = config.out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        eagle.save(head, tmp)
+        tmp.chmod(0o755)
+        for path in tmp.iterdir():
+            path.chmod(0o644)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    served = eagle.load(out_dir, target=target)  # what the draft worker loads: fp32 from the bf16 file
+    final = distill_eagle.evaluate(served, heldout, pad_id, index_of, EVAL_K) if heldout else {}
+    context = (heldout[0].tokens.tolist() if heldout else train_set[0].tokens.tolist())[:COST_CONTEXT_TOKENS]
+    cost = distill_eagle.measure_cost_ratio(target, served, context)
+    losses = [h for h in state.history if "loss" in h]
+    trainable = sum(p.numel() for p in served.parameters())
+    record = {
+        "command": config.command, "kind": EAGLE, "target": config.target, "out_dir": str(out_dir),
+        "work_dir": str(config.work),
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+        "student": {"layers": 1, "hidden": served.config.hidden_size, "intermediate": served.config.intermediate_size,
+                    "draft_vocab": len(draft_vocab), "parameters": trainable, "dir_mb": _dir_mb(out_dir),
+                    "feature_bytes_per_token": served.config.hidden_size * eagle.FEATURE_BYTES},
+        "data": data,
+        "training": {"steps": state.step, "epochs": state.epoch + state.cursor / len(train_set),
+                     "tokens_seen": state.tokens_seen, "trained_s": state.trained_s,
+                     "first_loss": losses[0]["loss"] if losses else math.nan,
+                     "final_loss": losses[-1]["loss"] if losses else math.nan},
+        "final": final, "cost": cost, "history": state.history,
+        "wall_s": time.monotonic() - began, "threads": config.threads, "torch": torch.__version__,
+    }
+    (out_dir / RECORD_NAME).write_text(json.dumps(record, indent=1))
+    if final:
+        _write_model_card(out_dir, record)
+    log.info("wrote %s (%.1f MB): held-out agreement %.3f, simulated alpha %.3f, %.2f tokens/round, c %.3f",
+             out_dir, record["student"]["dir_mb"], final.get("heldout_top1_agreement", math.nan),
              final.get("sim_alpha", math.nan), final.get("sim_tokens_per_round", math.nan), cost["c"])
     return record
 
@@ -964,6 +1125,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=d.threads, help="torch threads (default %(default)s)")
     parser.add_argument("--seed", type=int, default=d.seed, help="default %(default)s")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--kind", choices=(MODEL, EAGLE), default=d.kind,
+                        help="model: a standalone small causal LM (default); eagle: a one-layer head over the "
+                             "target's hidden states (--layers/--hidden/--intermediate do not apply)")
+    parser.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
+                        help="eagle: tokens the head can propose (default %(default)s)")
+    parser.add_argument("--unroll", type=int, default=d.unroll,
+                        help="eagle: drafting steps unrolled in training (default %(default)s)")
+    parser.add_argument("--feature-weight", type=float, default=d.feature_weight,
+                        help="eagle: weight of the feature regression loss (default %(default)s)")
 
 
 def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> DistillConfig:
@@ -979,5 +1149,6 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
         warmup_steps=args.warmup_steps, hard_weight=args.hard_weight, bf16=not args.no_bf16,
         log_every=args.log_every, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
         max_minutes=args.max_minutes, threads=args.threads, seed=args.seed, progress=not args.no_progress,
-        command=command,
+        command=command, kind=args.kind, draft_vocab=args.draft_vocab, unroll=args.unroll,
+        feature_weight=args.feature_weight,
     )

@@ -7,6 +7,7 @@ to propose one. It knows nothing of gRPC.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 import logging
 from typing import Any
 
@@ -75,6 +76,26 @@ class CausalLM:
             session.cache.crop(length - len(session.ids))
             del session.ids[length:]
 
+    @property
+    def feature_size(self) -> int:
+        """Width of the features `feed_batch(..., features=True)` returns (the hidden size)."""
+        cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        return int(cfg.hidden_size)
+
+    @contextmanager
+    def _capturing_features(self):
+        """Collects the output of the model's final norm (the hidden states its LM head
+        reads) for every position of the forward passes run inside."""
+        norm = getattr(getattr(self.model, "model", None), "norm", None)
+        if norm is None:
+            raise ValueError(f"{type(self.model).__name__} has no model.norm to read features from")
+        captured: list[torch.Tensor] = []
+        handle = norm.register_forward_hook(lambda module, args, output: captured.append(output))
+        try:
+            yield captured
+        finally:
+            handle.remove()
+
     @torch.inference_mode()
     def feed(self, session: Session, tokens: list[int], logits_to_keep: int) -> torch.Tensor:
         """Runs `tokens` through the model on top of the session's cache in ONE forward pass
@@ -106,11 +127,18 @@ class CausalLM:
         return self._ragged
 
     @torch.inference_mode()
-    def feed_batch(self, sessions: list[Session], token_lists: list[list[int]],
-                   logits_to_keep: list[int]) -> list[torch.Tensor]:
+    def feed_batch(self, sessions: list[Session], token_lists: list[list[int]], logits_to_keep: list[int],
+                   features: bool = False):
         """feed() for many sessions at once: ONE forward pass over all their new tokens when
         the model allows it (specdec.ragged), else one pass per session. Returns per session
-        the logits of its last logits_to_keep[i] positions, [logits_to_keep[i], V]."""
+        the logits of its last logits_to_keep[i] positions, [logits_to_keep[i], V]; with
+        features=True, (those logits, per session the final hidden states of every fed
+        position, [len(token_lists[i]), H])."""
+        if features:
+            with self._capturing_features() as captured:
+                logits = self.feed_batch(sessions, token_lists, logits_to_keep)
+            hidden = torch.cat([c[0] for c in captured], 0)  # [Σ n, H]: one pass, or one per session
+            return logits, list(torch.split(hidden, [len(t) for t in token_lists]))
         assert len({id(s) for s in sessions}) == len(sessions), "a session appears twice in a batch"
         if len(sessions) == 1 or not self.batches_in_one_pass:
             return [self.feed(s, t, k) for s, t, k in zip(sessions, token_lists, logits_to_keep)]

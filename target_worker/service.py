@@ -39,6 +39,7 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
             result = await self.thread.run(
                 self.verifier.verify, delta.session_id, delta.start, list(delta.tokens), list(request.draft_tokens),
                 Sampling.from_proto(request.sampling if request.HasField("sampling") else None),
+                request.return_features,
             )
         log.debug("verify %s: start %d, %d new tokens, %d drafts -> %s", delta.session_id, delta.start,
                   len(delta.tokens), len(request.draft_tokens), result)
@@ -47,10 +48,7 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
         if isinstance(result, Resync):
             metrics.WORKER_RESYNCS.labels("target").inc()
             return target_pb2.VerifyResponse(resync=common_pb2.ResyncRequired(cached_len=result.cached_len))
-        return target_pb2.VerifyResponse(verdict=target_pb2.Verdict(
-            accepted=result.accepted, next_token=result.next_token,
-            cached_len=result.cached_len, compute_s=result.compute_s,
-        ))
+        return target_pb2.VerifyResponse(verdict=_verdict(result))
 
 
     async def VerifyBatch(self, request: target_pb2.VerifyBatchRequest,
@@ -58,7 +56,8 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
         if len(request.rounds) > self.max_batch_rounds:
             raise InvalidArgument(f"rounds: {len(request.rounds)} exceeds the limit of {self.max_batch_rounds}")
         rounds = [Round(r.delta.session_id, r.delta.start, list(r.delta.tokens), list(r.draft_tokens),
-                        Sampling.from_proto(r.sampling if r.HasField("sampling") else None)) for r in request.rounds]
+                        Sampling.from_proto(r.sampling if r.HasField("sampling") else None), r.return_features)
+                  for r in request.rounds]
         evictions = self.store.evictions
         with metrics.worker_call("target", "VerifyBatch", len(rounds)):
             outcome = await self.thread.run(self.verifier.verify_batch, rounds)
@@ -77,11 +76,16 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
             elif isinstance(result, BaseException):
                 item.error.CopyFrom(round_error(result, r.delta.request_id))
             else:
-                item.verdict.CopyFrom(target_pb2.Verdict(accepted=result.accepted, next_token=result.next_token,
-                                                         cached_len=result.cached_len, compute_s=result.compute_s))
+                item.verdict.CopyFrom(_verdict(result))
         logs.request_id.set("")
         log.debug("verify batch: %d rounds, %d rows, %.1f ms", len(rounds), outcome.rows, outcome.step_s * 1e3)
         return response
+
+
+def _verdict(result) -> target_pb2.Verdict:
+    return target_pb2.Verdict(accepted=result.accepted, next_token=result.next_token, cached_len=result.cached_len,
+                              compute_s=result.compute_s, feature_start=result.feature_start,
+                              features=result.features)
 
 
 def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> TargetWorkerServicer:
@@ -96,6 +100,7 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> TargetWo
 
     lm, info = thread.call(load)
     info.max_batch_rounds = config.max_batch_rounds
+    info.feature_size = lm.feature_size
     store = SessionStore(config.max_sessions, config.max_cache_bytes, lm.bytes_per_token)
     return TargetWorkerServicer(Verifier(lm, store, config.max_k), info, thread)
 

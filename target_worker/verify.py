@@ -33,6 +33,7 @@ class Round:
     tokens: list[int]
     drafts: list[int]
     sampling: Sampling = GREEDY
+    features: bool = False  # return the committed positions' features
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class Verdict:
     next_token: int
     cached_len: int
     compute_s: float
+    # With Round.features: float16 bytes of the final hidden states of positions
+    # feature_start … cached_len - 1 (the committed positions this round fed).
+    feature_start: int = 0
+    features: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -64,9 +69,9 @@ class Verifier:
             raise InvalidArgument(f"{name}: token id {bad[0]} outside the vocabulary 0..{self.vocab_size - 1}")
 
     def verify(self, session_id: str, start: int, tokens: list[int], drafts: list[int],
-               sampling: Sampling = GREEDY) -> Verdict | Resync:
+               sampling: Sampling = GREEDY, features: bool = False) -> Verdict | Resync:
         """One round alone (the unary Verify rpc); errors raise."""
-        result = self.verify_batch([Round(session_id, start, tokens, drafts, sampling)]).results[0]
+        result = self.verify_batch([Round(session_id, start, tokens, drafts, sampling, features)]).results[0]
         if isinstance(result, BaseException):
             raise result
         return result
@@ -94,10 +99,15 @@ class Verifier:
                 continue
             ready.append((i, synced, self.lm.prepare(synced) + rnd.drafts))
         rows = sum(len(fed) for _, _, fed in ready)
+        hidden: list = [None] * len(ready)
         if ready:
             try:
-                logits = self.lm.feed_batch([synced.session for _, synced, _ in ready], [fed for _, _, fed in ready],
-                                            [len(rounds[i].drafts) + 1 for i, _, _ in ready])
+                sessions, fed = [synced.session for _, synced, _ in ready], [fed for _, _, fed in ready]
+                keep = [len(rounds[i].drafts) + 1 for i, _, _ in ready]
+                if any(rounds[i].features for i, _, _ in ready):
+                    logits, hidden = self.lm.feed_batch(sessions, fed, keep, features=True)
+                else:
+                    logits = self.lm.feed_batch(sessions, fed, keep)
                 decisions = self._decide_batch([logits_i for logits_i in logits],
                                                [rounds[i] for i, _, _ in ready],
                                                [len(synced.context) for _, synced, _ in ready])
@@ -107,14 +117,21 @@ class Verifier:
                     results[i] = exc
                 ready = []
                 decisions = []
-            for (i, synced, _), (accepted_n, next_id) in zip(ready, decisions):
+            for (i, synced, fed), (accepted_n, next_id), states in zip(ready, decisions, hidden):
                 committed = len(synced.context) + accepted_n
                 self.lm.crop(synced.session, committed)
-                results[i] = Verdict(accepted_n, next_id, committed, 0.0)
+                feature_start, feature_bytes = 0, b""
+                if rounds[i].features:
+                    # The fed committed tokens, then the accepted drafts: all now committed.
+                    fed_committed = len(fed) - len(rounds[i].drafts)
+                    feature_start = len(synced.context) - fed_committed
+                    feature_bytes = states[:fed_committed + accepted_n].to(torch.float16).contiguous().numpy().tobytes()
+                results[i] = Verdict(accepted_n, next_id, committed, 0.0, feature_start, feature_bytes)
             for i, synced, _ in ready:
                 self.store.enforce_budget(keep=synced.session.session_id)
         step_s = time.perf_counter() - began
-        results = [r if not isinstance(r, Verdict) else Verdict(r.accepted, r.next_token, r.cached_len, step_s)
+        results = [r if not isinstance(r, Verdict) else
+                   Verdict(r.accepted, r.next_token, r.cached_len, step_s, r.feature_start, r.features)
                    for r in results]
         return BatchOutcome(results, step_s, rows)
 

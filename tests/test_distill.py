@@ -186,3 +186,58 @@ def test_draft_works_as_an_hf_assistant_model(distilled, target, tokenizer):
 def test_building_the_cli_parser_does_not_import_torch():
     code = "import sys, specdec.cli as c; c.build_parser(); sys.exit(int('torch' in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+# ----------------------------------------------------------------------------- --kind eagle
+
+
+@pytest.fixture(scope="module")
+def distilled_eagle(tmp_path_factory, target, tokenizer):
+    """A feature-level head (specdec.eagle) trained on the tiny target, in two invocations."""
+    root = tmp_path_factory.mktemp("distill-eagle")
+    target_dir = save_model_dir(root / "target", target, tokenizer)
+    out = root / "head"
+    extra = ("--kind", "eagle", "--draft-vocab", "96", "--unroll", "2", "--lr", "3e-3")
+    assert main(tiny_run_args(target_dir, out, FIRST_STEPS, *extra)) == 0
+    vocab = torch.load(out.with_name(out.name + ".work") / "draft_vocab.pt")
+    assert main(tiny_run_args(target_dir, out, TOTAL_STEPS, "--resume", *extra)) == 0
+    record = json.loads((out / "distill.json").read_text())
+    return {"target_dir": target_dir, "out": out, "record": record, "vocab": vocab}
+
+
+def test_eagle_distill_lowers_the_loss_and_resumes(distilled_eagle):
+    record = distilled_eagle["record"]
+    losses = [h["loss"] for h in record["history"] if "loss" in h]
+    assert losses[-1] < LOSS_DROP * losses[0], losses
+    assert record["training"]["steps"] == TOTAL_STEPS
+    assert [h["step"] for h in record["history"] if "loss" in h] == list(range(LOG_EVERY, TOTAL_STEPS + 1, LOG_EVERY))
+    assert record["kind"] == "eagle" and record["student"]["feature_bytes_per_token"] == 2 * 64
+    assert 0 < record["data"]["draft_vocab_coverage_train"] <= 1
+    assert "sim_alpha" in record["final"] and record["cost"]["c"] > 0
+
+
+def test_eagle_output_loads_as_a_head_reading_its_target(distilled_eagle):
+    from specdec import eagle
+
+    out = distilled_eagle["out"]
+    assert eagle.is_eagle_dir(str(out))
+    head = eagle.load(out)  # loads the target by the spec the head recorded
+    assert head.config.target == str(distilled_eagle["target_dir"])
+    assert torch.equal(head.draft_vocab, distilled_eagle["vocab"])  # the resume kept the vocabulary
+    assert (out / "README.md").read_text().startswith("# Draft for")
+
+
+def test_eagle_head_through_the_services_is_token_identical(distilled_eagle, target, tokenizer):
+    from specdec import eagle
+
+    head = eagle.load(distilled_eagle["out"], target=target)
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=head) as stack:
+            async with Client(stack.address) as client:
+                return [await client.complete(make_request(p, max_new_tokens=MAX_NEW, k=4)) for p in SERVICE_PROMPTS]
+
+    results = run(scenario())
+    for text, result in zip(SERVICE_PROMPTS, results):
+        assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
+    assert sum(r.stats["proposed"] for r in results) > 0

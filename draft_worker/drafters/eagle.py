@@ -1,0 +1,94 @@
+"""A feature-level head (specdec.eagle) as a drafter: it reads the target's hidden states,
+which the coordinator forwards from the target's verdicts with each Propose.
+
+Per session the head keeps its own KV cache (specdec.eagle.HeadCache). Entries of committed
+positions are fed with the target's true features and stay; entries of draft positions are
+fed with the head's own predictions and are dropped at the next round, even when the target
+accepted those tokens: the target's features for them have arrived by then, and the head was
+trained to continue from true features (specdec.eagle's docstring). A round whose features
+do not cover what must be fed asks for a resync from the first position it lacks."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.eagle import EagleHead, HeadCache
+from specdec.sessions import Resync, SyncedContext
+
+
+class Features:
+    """The features a Propose carried: rows for positions start … start + len(rows) - 1."""
+
+    def __init__(self, start: int, data: bytes, size: int):
+        self.start = start
+        count = len(data) // (2 * size) if size else 0
+        if count * 2 * size != len(data):
+            from specdec.errors import InvalidArgument
+
+            raise InvalidArgument(f"features: {len(data)} bytes is not a whole number of float16 rows of {size}")
+        self.rows = torch.frombuffer(bytearray(data), dtype=torch.float16).view(count, size) if count else \
+            torch.zeros((0, size), dtype=torch.float16)
+
+    def cover(self, first: int, end: int) -> torch.Tensor | None:
+        """Rows of positions first … end - 1, or None when some are missing."""
+        if first >= end:
+            return self.rows[:0]
+        if first < self.start or end > self.start + len(self.rows):
+            return None
+        return self.rows[first - self.start:end - self.start]
+
+
+class EagleDrafter:
+    def __init__(self, name: str, head: EagleHead):
+        self.name = name
+        self.head = head
+        config = head.config
+        self.feature_size = config.hidden_size
+        element = torch.finfo(head.fc.weight.dtype).bits // 8
+        self.bytes_per_token = 2 * config.num_kv_heads * config.head_dim * element
+        self.vocab_size = int(head.embed.shape[0])
+        self.max_context = config.max_position_embeddings
+
+    def propose(self, synced: SyncedContext, k: int, features: Features | None = None) -> list[int] | Resync:
+        return self.propose_batch([synced], [k], [features])[0]
+
+    @torch.inference_mode()
+    def propose_batch(self, synced: list[SyncedContext], ks: list[int],
+                      features: list[Features | None] | None = None) -> list[list[int] | Resync]:
+        features = features or [None] * len(synced)
+        return [self._propose_one(s, min(k, self.max_context - len(s.context)), f)
+                for s, k, f in zip(synced, ks, features)]
+
+    def _propose_one(self, synced: SyncedContext, k: int, features: Features | None) -> list[int] | Resync:
+        head, session, context = self.head, synced.session, synced.context
+        cache = session.cache
+        if cache is None:
+            cache = session.cache = HeadCache(head.config.num_kv_heads, head.config.head_dim, head.fc.weight.dtype)
+            cache.trusted = 0
+            session.ids = []
+        # Keep only entries of committed positions fed with true features (and never the
+        # last committed token: its output is the first draft's prediction).
+        keep = min(synced.reusable, cache.trusted, len(context) - 1)
+        cache.crop(keep)
+        cache.trusted = keep
+        del session.ids[keep:]
+        # Feeding positions keep … len-1 needs the features of keep-1 … len-2.
+        rows = features.cover(max(keep - 1, 0), len(context) - 1) if features is not None else None
+        if rows is None:
+            return Resync(cached_len=keep)
+        rows = rows.to(head.fc.weight.dtype)
+        if keep == 0:  # position 0 has no feature before it
+            rows = torch.cat([rows.new_zeros((1, rows.shape[1])), rows])
+        fed = context[keep:]
+        out = head.extend(cache, rows, fed)  # [n, H]
+        session.ids.extend(fed)
+        cache.trusted = len(context)
+        proposal: list[int] = []
+        predicted = out[-1]
+        for step in range(k):
+            token = int(head.draft_vocab[int(torch.argmax(head.logits(predicted)))])
+            proposal.append(token)
+            if step + 1 < k:
+                predicted = head.extend(cache, predicted[None], [token])[0]
+                session.ids.append(token)
+        return proposal

@@ -1,0 +1,179 @@
+"""A feature-level head (specdec.eagle) through the three services: the target returns its
+hidden states with each verdict, the coordinator forwards them, the head drafts from them,
+and the output is still the target's alone — also with chunked prefill, batching off, a
+draft worker restart (features resent), and sampling. The features the drafter receives
+are checked against the target's own hidden states, position by position."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coordinator.workers import FeatureLog
+from specdec import distill, eagle
+from specdec.client import Client, make_request
+from specdec.errors import FailedPrecondition
+from specdec.sessions import SessionStore
+from target_worker.verify import Verifier
+from tests.factories import make_tiny_model, make_tiny_tokenizer
+from tests.harness import reference_greedy, run, running_stack
+
+MAX_NEW = 24
+PROMPTS = ["Explain how tides work.", "Write a haiku about rain.", "def add(a, b):"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer):
+    return make_tiny_model(tokenizer, seed=0)
+
+
+def make_head(target, seed: int = 0) -> eagle.EagleHead:
+    torch.manual_seed(seed)
+    vocab = torch.arange(0, target.config.vocab_size, 2)
+    head = eagle.build(eagle.new_config(target, "tiny-target", len(vocab)), target, vocab)
+    return head.eval()
+
+
+def hidden_states(target, ids: list[int]) -> torch.Tensor:
+    """The target's final hidden states of a whole sequence, [len, H] float16."""
+    with torch.inference_mode():
+        return target.model(input_ids=torch.tensor([ids])).last_hidden_state[0].to(torch.float16)
+
+
+def recording(drafter):
+    """Wraps the drafter's propose_batch to record (context, features covering it)."""
+    seen = []
+    original = drafter.propose_batch
+
+    def propose_batch(synced, ks, features=None):
+        for s, f in zip(synced, features or [None] * len(synced)):
+            seen.append((list(s.context), f))
+        return original(synced, ks, features)
+
+    drafter.propose_batch = propose_batch
+    return seen
+
+
+def check_features(target, seen) -> int:
+    """Each Propose's features are the target's hidden states at their positions."""
+    checked = 0
+    for context, features in seen:
+        assert features is not None
+        truth = hidden_states(target, context)
+        rows = features.rows
+        assert features.start + len(rows) == len(context) - 1  # up to the last committed but one
+        torch.testing.assert_close(rows.float(), truth[features.start:len(context) - 1].float(), atol=2e-2, rtol=1e-2)
+        checked += len(rows)
+    return checked
+
+
+def test_verifier_returns_the_committed_positions_features(target):
+    from specdec.cpu_fast import serving_lm
+
+    lm = serving_lm(target)
+    verifier = Verifier(lm, SessionStore(8, 1 << 30, lm.bytes_per_token), 8)
+    prompt = list(range(5, 25))
+    first = verifier.verify("s", 0, prompt, [], features=True)
+    assert first.feature_start == 0 and len(first.features) == 2 * 64 * len(prompt)
+    committed = prompt + [first.next_token]
+    truth = hidden_states(target, committed + [7, 8, 9])
+    got = torch.frombuffer(bytearray(first.features), dtype=torch.float16).view(-1, 64)
+    torch.testing.assert_close(got.float(), truth[:len(prompt)].float(), atol=2e-2, rtol=1e-2)
+    # A block whose first draft is the target's own choice and the rest are not.
+    own = reference_greedy(target, committed, 1)[0]
+    second = verifier.verify("s", len(prompt), [first.next_token], [own, 3, 3], features=True)
+    assert second.accepted >= 1
+    assert second.feature_start == len(prompt)
+    got = torch.frombuffer(bytearray(second.features), dtype=torch.float16).view(-1, 64)
+    assert len(got) == 1 + second.accepted  # the fed committed token, then the accepted drafts
+    truth = hidden_states(target, committed + [own, 3, 3])
+    torch.testing.assert_close(got.float(), truth[len(prompt):len(prompt) + len(got)].float(), atol=2e-2, rtol=1e-2)
+    plain = verifier.verify("t", 0, prompt, [])
+    assert plain.features == b""
+
+
+def test_feature_log_keeps_positions_in_order():
+    log = FeatureLog(2)
+    log.put(0, bytes(range(12)))  # 3 rows of 4 bytes
+    assert log.count == 3 and log.rows(1, 3) == bytes(range(4, 12))
+    log.put(2, bytes([9] * 8))  # positions 2, 3: replaces 2 and extends
+    assert log.count == 4 and log.rows(2, 4) == bytes([9] * 8)
+    log.put(7, bytes(4))  # a gap: dropped
+    assert log.count == 4
+
+
+@pytest.mark.parametrize("options", [{}, {"batching": False}, {"prefill_chunk_tokens": 8}],
+                         ids=["batched", "unbatched", "chunked-prefill"])
+def test_head_through_the_services_is_token_identical(target, tokenizer, options):
+    head = make_head(target)
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=head, **options) as stack:
+            seen = recording(stack.draft_servicer.proposer.drafter)
+            async with Client(stack.address) as client:
+                results = [await client.complete(make_request(p, max_new_tokens=MAX_NEW, k=4)) for p in PROMPTS]
+            return results, seen
+
+    results, seen = run(scenario())
+    for text, result in zip(PROMPTS, results):
+        assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
+        assert result.stats["resyncs"] == 0
+    assert sum(r.stats["proposed"] for r in results) > 0
+    assert check_features(target, seen) > 0
+
+
+def test_a_restarted_draft_worker_gets_the_features_resent(target, tokenizer):
+    head = make_head(target)
+    prompt = PROMPTS[0]
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=head) as stack:
+            async with Client(stack.address) as client:
+                stream = client.stream(make_request(prompt, max_new_tokens=MAX_NEW, k=4))
+                tokens, restarted, seen = [], False, None
+                async for response in stream:
+                    tokens.extend(response.token_ids)
+                    if len(tokens) >= 6 and not restarted:
+                        await stack.restart_draft(head, tokenizer)
+                        seen = recording(stack.draft_servicer.proposer.drafter)
+                        restarted = True
+                    if response.finish_reason:
+                        stats = response.stats
+                return tokens, stats, seen
+
+    tokens, stats, seen = run(scenario())
+    assert tokens == reference_greedy(target, distill.chat_ids(tokenizer, prompt), MAX_NEW)
+    assert stats.resyncs >= 1
+    assert any(f is not None and f.start == 0 for _, f in seen)  # rebuilt from position 0
+    assert check_features(target, seen) > 0
+
+
+def test_sampling_with_a_head_matches_sampling_without(target, tokenizer):
+    head = make_head(target)
+    request = dict(max_new_tokens=MAX_NEW, k=4, temperature=0.9, top_p=0.95, seed=1234)
+
+    async def scenario(draft):
+        async with running_stack(target, tokenizer, draft=draft) as stack:
+            async with Client(stack.address) as client:
+                return [await client.complete(make_request(p, **request)) for p in PROMPTS]
+
+    with_head = run(scenario(head))
+    alone = run(scenario(None))
+    assert [r.token_ids for r in with_head] == [r.token_ids for r in alone]
+
+
+def test_a_head_for_another_target_is_refused(target, tokenizer):
+    other = make_tiny_model(tokenizer, seed=1, hidden=32)
+    head = make_head(other)
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=head):
+            pass
+
+    with pytest.raises(FailedPrecondition, match="width 32"):
+        run(scenario())
