@@ -13,7 +13,6 @@ acceptance of greedy k-token chains at every answer position, from the unrolled 
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,25 +181,13 @@ def evaluate(head: eagle.EagleHead, examples: list[EagleExample], pad_id: int, i
             "sim_tokens_per_round": total / rounds if rounds else 0.0, "heldout_positions": total}
 
 
-@torch.inference_mode()
-def measure_cost_ratio(target, head: eagle.EagleHead, context: list[int], repeats: int = 30) -> dict:
-    """c: one head step (1 position on a cache holding `context`) over one target step,
-    each on its serving path."""
-    from specdec.bench.costs import measure_target
+def measure_cost_ratio(target, head: eagle.EagleHead, context: list[int]) -> dict:
+    """c: one head step (1 position on a cache holding `context`, then its argmax) over one
+    target step, each on its serving path."""
+    from specdec.bench.costs import measure_head, measure_target
     from specdec.cpu_fast import serving_lm
 
     target_s = measure_target(serving_lm(target), context, 1).target_step_s
-    hidden = head.config.hidden_size
-    times = []
-    for _ in range(3):
-        cache = eagle.HeadCache(head.config.num_kv_heads, head.config.head_dim, head.fc.weight.dtype)
-        head.extend(cache, torch.zeros(len(context), hidden), context)
-        began = time.perf_counter()
-        for _ in range(repeats):
-            out = head.extend(cache, torch.zeros(1, hidden), [context[-1]])
-            head.logits(out).argmax(-1)
-            cache.crop(len(context))
-        times.append((time.perf_counter() - began) / repeats)
-    draft_s = min(times)
+    draft_s = measure_head(head, context)
     return {"context_tokens": len(context), "target_step_s": target_s, "draft_step_s": draft_s,
             "c": draft_s / target_s}

@@ -90,11 +90,14 @@ class RMSNorm(torch.nn.Module):
         return (self.weight * x).to(dtype)
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+def inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))  # [d/2]
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     """Rotary embedding (Llama's half-split layout). x: [..., n, d], positions: [n] or
-    broadcastable to x's [..., n]."""
+    broadcastable to x's [..., n]; inv: inverse_frequencies(d, theta)."""
     d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))  # [d/2]
     angles = positions.to(torch.float32)[..., None] * inv  # [..., n, d/2]
     cos = torch.cat([angles.cos(), angles.cos()], -1).to(x.dtype)
     sin = torch.cat([angles.sin(), angles.sin()], -1).to(x.dtype)
@@ -128,6 +131,7 @@ class EagleHead(torch.nn.Module):
         self.register_buffer("embed", embed, persistent=False)
         self.register_buffer("head", head, persistent=False)
         self.register_buffer("draft_vocab", draft_vocab.long(), persistent=False)
+        self.register_buffer("inv_freq", inverse_frequencies(d, config.rope_theta), persistent=False)
 
     # -- pieces shared by training and serving -------------------------------------------
 
@@ -144,7 +148,7 @@ class EagleHead(torch.nn.Module):
         q = self.q(y).view(b, n, c.num_heads, c.head_dim).transpose(1, 2)
         k = self.k(y).view(b, n, c.num_kv_heads, c.head_dim).transpose(1, 2)
         v = self.v(y).view(b, n, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        return rotate(q, positions, c.rope_theta), rotate(k, positions, c.rope_theta), v
+        return rotate(q, positions, self.inv_freq), rotate(k, positions, self.inv_freq), v
 
     def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Residual input x [B, n, H] and attention output [B, heads, n, d] -> predicted

@@ -21,7 +21,7 @@ ROW_FIELDS = {"tokens", "tokens_per_s", "wall_s", "speedup_vs_hf_generate", "spe
               "outputs_match", "foreign_load_max"}
 SPECULATIVE_FIELDS = {"acceptance_rate", "alpha", "tokens_per_round", "rounds", "proposed", "accepted", "c", "v",
                       "theoretical_speedup", "theoretical_speedup_closed_form", "fraction_of_theoretical",
-                      "speedup_vs_hf_same_drafter", "speedup_vs_hf_same_drafter_fastpath"}
+                      "speedup_vs_hf_same_drafter", "speedup_vs_hf_same_drafter_fastpath", "wire_bytes_per_token"}
 COST_FIELDS = {"context_tokens", "k", "target_step_s", "verify_s", "v", "ngram_lookup_s", "c_ngram"}
 MACHINE_FIELDS = {"cpu_model", "cpu_cores", "torch", "transformers", "torch_threads"}
 
@@ -90,3 +90,35 @@ class TestCostModel:
         generated = rounds * (1 - alpha ** (k + 1)) / (1 - alpha)
         observed = observed_theoretical_speedup(generated, rounds, rounds * k, c, v, k)
         assert observed == pytest.approx(leviathan_speedup(alpha, k, c, v))
+
+
+def test_bench_runs_a_feature_level_head_through_specdec_up(tmp_path):
+    """`specdec bench --draft HEAD_DIR`: `specdec up` loads the head (and, through its config,
+    the target it reads), HF assisted generation is left out (it cannot run a head), the
+    outputs equal HF generate(), and the head's wire cost per token is reported."""
+    import torch
+
+    from specdec import eagle
+
+    tokenizer = make_tiny_tokenizer()
+    model = make_tiny_model(tokenizer, seed=0, max_positions=1024)
+    target = save_model_dir(tmp_path / "target", model, tokenizer)
+    torch.manual_seed(0)
+    vocab = torch.arange(0, model.config.vocab_size, 2)
+    eagle.save(eagle.build(eagle.new_config(model, str(target), len(vocab)), model, vocab), tmp_path / "head")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec", "bench", "--target", str(target), "--draft", str(tmp_path / "head"),
+         "--quick", "--max-new-tokens", "12", "--threads", "1", "--max-foreign-load", "1", "--no-progress",
+         "--no-fast-peers", "--out", str(out), "--name", "head"],
+        capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "head.json").read_text())
+    names = {c["name"] for c in report["configurations"]}
+    assert "specdec_draft" in names and "hf_assisted_draft" not in names
+    assert report["outputs_match"]["all"]
+    rows = report["per_prompt"]["specdec_draft"].values()
+    assert all(row["c"] > 0 for row in rows)
+    # Features: 2 bytes per hidden unit for (nearly) every generated token, on top of ids.
+    assert max(row["wire_bytes_per_token"] for row in rows) > 2 * model.config.hidden_size

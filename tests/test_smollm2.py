@@ -74,3 +74,30 @@ def test_the_shipped_distilled_draft_changes_speed_only(smollm2):
                                                         add_generation_prompt=True)["input_ids"])
         assert results[name].token_ids == reference_greedy(model, prompt_ids, MAX_NEW), name
     assert sum(r.stats["accepted"] for r in results.values()) > 0
+
+
+def test_the_shipped_eagle_head_changes_speed_only(smollm2):
+    """drafts/smollm2-135m-eagle (a feature-level head trained by `specdec distill --kind
+    eagle`) through the services, reading SmolLM2's hidden states: the output is the
+    target's alone, and most of its draft tokens are accepted."""
+    from pathlib import Path
+
+    from specdec import eagle
+
+    model, tokenizer = smollm2
+    head = eagle.load(Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-eagle", target=model)
+
+    async def scenario():
+        async with running_stack(model, tokenizer, draft=head) as stack:
+            async with Client(stack.address) as client:
+                return {name: await client.complete(make_request(prompt, max_new_tokens=MAX_NEW, k=4))
+                        for name, prompt in PROMPTS.items()}
+
+    results = run(scenario())
+    for name, prompt in PROMPTS.items():
+        prompt_ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                        add_generation_prompt=True)["input_ids"])
+        assert results[name].token_ids == reference_greedy(model, prompt_ids, MAX_NEW), name
+    proposed = sum(r.stats["proposed"] for r in results.values())
+    accepted = sum(r.stats["accepted"] for r in results.values())
+    assert proposed > 0 and accepted / proposed > 0.3, (accepted, proposed)

@@ -108,6 +108,26 @@ def measure_draft_model(lm: CausalLM, context: list[int], repeats: int = COST_RE
     return measure_target(lm, context, 1, repeats).target_step_s
 
 
+def measure_head(head, context: list[int], repeats: int = COST_REPEATS) -> float:
+    """Seconds of one step of a feature-level head (specdec.eagle): 1 position on a cache
+    of `context`, then its draft-vocabulary logits and argmax, as the draft worker runs it."""
+    import torch
+
+    from specdec.eagle import HeadCache
+
+    cache = HeadCache(head.config.num_kv_heads, head.config.head_dim, head.fc.weight.dtype)
+    hidden = head.config.hidden_size
+    head.extend(cache, torch.zeros(len(context), hidden), context)
+
+    def step() -> None:
+        out = head.extend(cache, torch.zeros(1, hidden), context[-1:])
+        int(torch.argmax(head.logits(out[0])))
+        cache.crop(len(context))
+
+    step()  # warm-up
+    return statistics.median(_timed(step) for _ in range(repeats))
+
+
 def measure_ngram(context: list[int], k: int, repeats: int = COST_REPEATS * 3) -> float:
     """Seconds of one n-gram lookup proposing up to k tokens (the whole block at once)."""
     from draft_worker.drafters.ngram import NgramDrafter

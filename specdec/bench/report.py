@@ -141,6 +141,9 @@ def _speculation(runs, measured: dict, drafter: str, k: int, row: dict) -> dict:
         "rounds": stats.get("rounds"),
         "proposed": stats.get("proposed"),
         "accepted": stats.get("accepted"),
+        # Bytes on the coordinator's worker links per generated token (both workers; with a
+        # feature-level head, the target's features dominate: 2·hidden bytes per token).
+        "wire_bytes_per_token": stats.get("wire_bytes", 0) / generated if generated else None,
         "c": c,
         "v": v,
         "theoretical_speedup_closed_form": costs.leviathan_speedup(alpha, k, c, v),
@@ -200,11 +203,12 @@ def markdown(report: dict) -> str:
         "Speedups are paired medians (same prompt, same repeat). ×(1): over HF generate(); ×(2): over HF assisted "
         "with the same drafter (×(2f): the same, on the fast-path model); ×(3): over specdec without speculation. "
         "α: accepted/proposed; tok/rnd: tokens per round; c, v: measured draft and (k+1)-verify cost in target "
-        "steps; theory: Leviathan speedup on the observed rounds; ach.: ×(3) / theory.",
+        "steps; theory: Leviathan speedup on the observed rounds; ach.: ×(3) / theory; wire: bytes on the "
+        "coordinator's worker links per generated token.",
         "",
         "| # | configuration | kind | tok/s | ×(1) | ×(2) | ×(2f) | ×(3) | α | tok/rnd | c | v | theory | ach. "
-        "| match |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| wire | match |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     numbers = {c["name"]: c for c in report["configurations"]}
     for name, groups in report["summary"].items():
@@ -219,7 +223,7 @@ def markdown(report: dict) -> str:
                 f"| {_fmt(row['speedup_vs_specdec_target_only'])} | {_fmt(row.get('acceptance_rate'))} "
                 f"| {_fmt(row.get('tokens_per_round'))} | {_fmt(row.get('c'), 3)} | {_fmt(row.get('v'))} "
                 f"| {_fmt(row.get('theoretical_speedup'))} | {_fmt(row.get('fraction_of_theoretical'))} "
-                f"| {_fmt(row['outputs_match'])} |")
+                f"| {_fmt(row.get('wire_bytes_per_token'), 0)} | {_fmt(row['outputs_match'])} |")
     lines += ["", f"## Targets ({b['target']}, n-gram drafter)", "", "| target | value | threshold | met |",
               "|---|---:|---:|---|"]
     for target in report["targets"]:

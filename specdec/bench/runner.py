@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec import eagle
+from specdec.eagle import is_eagle_dir
 from specdec.bench import costs, machine
 from specdec.bench.config import BenchConfig
 from specdec.bench.peers import hf_generate
@@ -47,7 +49,8 @@ def configurations(config: BenchConfig) -> list[Configuration]:
     k = config.k
     out = [Configuration(HF_GENERATE, "1", "HF generate(), target alone", None),
            Configuration(HF_PROMPT_LOOKUP, "2", f"HF assisted, prompt lookup (k={k})", NGRAM)]
-    if config.draft:
+    head = bool(config.draft) and is_eagle_dir(config.draft)
+    if config.draft and not head:  # HF assisted generation cannot run a feature-level head
         out.append(Configuration(HF_ASSISTED_DRAFT, "2", f"HF assisted, draft model (k={k})", config.draft))
     if config.fast_peers:
         out += [Configuration(HF_GENERATE + FAST_SUFFIX, "1f", "HF generate() on the fast-path model", None),
@@ -56,7 +59,8 @@ def configurations(config: BenchConfig) -> list[Configuration]:
     out += [Configuration(SPECDEC_TARGET_ONLY, "3", "specdec, no speculation", None),
             Configuration(SPECDEC_NGRAM, "4", f"specdec, n-gram (k≤{k}, adaptive)", NGRAM)]
     if config.draft:
-        out.append(Configuration(SPECDEC_DRAFT, "4", f"specdec, draft model (k≤{k}, adaptive)", config.draft))
+        what = "EAGLE-style head" if head else "draft model"
+        out.append(Configuration(SPECDEC_DRAFT, "4", f"specdec, {what} (k≤{k}, adaptive)", config.draft))
     return out
 
 
@@ -99,8 +103,10 @@ class Bench:
 
         self.serving = serving_lm(self.model)  # what the target worker serves: for c and v
         self.fast_model = self.serving.model if config.fast_peers else None
-        self.draft_model = self.draft_serving = None
-        if config.draft:
+        self.draft_model = self.draft_serving = self.draft_head = None
+        if config.draft and is_eagle_dir(config.draft):
+            self.draft_head = eagle.load(config.draft, target=self.model)
+        elif config.draft:
             self.draft_model, _ = load_model(config.draft)
             self.draft_serving = serving_lm(self.draft_model)
         self.stacks: dict[str, SpecdecUp] = {}
@@ -173,8 +179,9 @@ class Bench:
             "ngram_lookup_s": ngram_s, "c_ngram": ngram_s / k / target.target_step_s,
             "foreign_load": load.fraction,
         }
-        if self.draft_serving is not None:
-            draft_s = costs.measure_draft_model(self.draft_serving, context)
+        if self.draft_serving is not None or self.draft_head is not None:
+            draft_s = (costs.measure_draft_model(self.draft_serving, context) if self.draft_serving is not None
+                       else costs.measure_head(self.draft_head, context))
             measured.update(draft_step_s=draft_s, c_draft=draft_s / target.target_step_s)
         return measured
 
