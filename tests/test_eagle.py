@@ -81,3 +81,24 @@ def test_save_and_load_round_trip(tmp_path):
         for a, b in zip(head.unrolled(tokens, features, 2), loaded.unrolled(tokens, features, 2)):
             torch.testing.assert_close(a, b)
     assert torch.equal(loaded.draft_vocab, head.draft_vocab)
+
+
+def test_drafter_copies_a_repeated_ngram_and_uses_the_head_otherwise():
+    from draft_worker.drafters.eagle import EagleDrafter, Features
+    from specdec.sessions import SessionStore
+
+    head = small_head(3)
+    store = SessionStore(4, 1 << 30, 1)
+    repeated = [5, 6, 7, 8, 9, 5, 6]  # "5 6" occurred before, followed by 7 8 9
+    fresh = [11, 12, 13, 14, 15, 16, 17]
+
+    def propose(drafter, session_id, context):
+        synced = store.sync(session_id, 0, context)
+        rows = torch.randn(len(context) - 1, 32, generator=torch.Generator().manual_seed(len(context))).half()
+        return drafter.propose(synced, 3, Features(0, rows.numpy().tobytes(), 32))
+
+    hybrid, plain = EagleDrafter("h", head), EagleDrafter("h", head, lookup_ngram=0)
+    assert propose(hybrid, "a", repeated) == [7, 8, 9]
+    chain = propose(plain, "b", repeated)
+    assert len(chain) == 3 and all(t in head.draft_vocab.tolist() for t in chain)
+    assert propose(hybrid, "c", fresh) == propose(plain, "d", fresh)  # no match: the head's chain

@@ -6,6 +6,8 @@ are checked against the target's own hidden states, position by position."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -127,28 +129,33 @@ def test_head_through_the_services_is_token_identical(target, tokenizer, options
     assert check_features(target, seen) > 0
 
 
-def test_a_restarted_draft_worker_gets_the_features_resent(target, tokenizer):
+def test_a_restarted_draft_worker_gets_the_features_resent(target, tokenizer, monkeypatch):
+    from coordinator.adaptive import AdaptiveK
+    from tests.test_services import Gate
+
+    # Draft every round (a random head would get paused by the adaptive controller, and
+    # the rounds after the restart must reach the new worker).
+    monkeypatch.setattr(AdaptiveK, "next_k", lambda self, *args: self.k_max)
     head = make_head(target)
-    prompt = PROMPTS[0]
+    prompt, max_new = PROMPTS[0], 64
 
     async def scenario():
         async with running_stack(target, tokenizer, draft=head) as stack:
+            # Hold the target mid-request, restart the draft worker, let the request go on.
+            gate = Gate(stack.target_servicer.verifier.verify_batch, at_call=4)
+            stack.target_servicer.verifier.verify_batch = gate
             async with Client(stack.address) as client:
-                stream = client.stream(make_request(prompt, max_new_tokens=MAX_NEW, k=4))
-                tokens, restarted, seen = [], False, None
-                async for response in stream:
-                    tokens.extend(response.token_ids)
-                    if len(tokens) >= 6 and not restarted:
-                        await stack.restart_draft(head, tokenizer)
-                        seen = recording(stack.draft_servicer.proposer.drafter)
-                        restarted = True
-                    if response.finish_reason:
-                        stats = response.stats
-                return tokens, stats, seen
+                task = asyncio.create_task(client.complete(make_request(prompt, max_new_tokens=max_new, k=4)))
+                assert await asyncio.to_thread(gate.entered.wait, 30)
+                await stack.restart_draft(head, tokenizer)
+                seen = recording(stack.draft_servicer.proposer.drafter)
+                gate.release.set()
+                result = await task
+            return result, seen
 
-    tokens, stats, seen = run(scenario())
-    assert tokens == reference_greedy(target, distill.chat_ids(tokenizer, prompt), MAX_NEW)
-    assert stats.resyncs >= 1
+    result, seen = run(scenario())
+    assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, prompt), max_new)
+    assert result.stats["resyncs"] >= 1
     assert any(f is not None and f.start == 0 for _, f in seen)  # rebuilt from position 0
     assert check_features(target, seen) > 0
 

@@ -6,12 +6,21 @@ positions are fed with the target's true features and stay; entries of draft pos
 fed with the head's own predictions and are dropped at the next round, even when the target
 accepted those tokens: the target's features for them have arrived by then, and the head was
 trained to continue from true features (specdec.eagle's docstring). A round whose features
-do not cover what must be fed asks for a resync from the first position it lacks."""
+do not cover what must be fed asks for a resync from the first position it lacks.
+
+Copying first: when the context's last `lookup_ngram` (or more, up to 3) tokens occurred
+before, the tokens that followed them are proposed instead of the head's chain (n-gram
+prompt lookup, draft_worker.drafters.ngram), and the chain is not run. A head trained on
+open-ended answers predicts copied spans (summaries, rewrites, extraction, code edits)
+worse than a lookup does, and the lookup costs nothing; Snowflake's Arctic Inference pairs
+suffix decoding with a model speculator the same way (a match wins, the model otherwise).
+The head still takes in every committed token, so it is ready for the next round."""
 
 from __future__ import annotations
 
 import torch
 
+from draft_worker.drafters.ngram import DEFAULT_MAX_NGRAM, lookup
 from specdec.eagle import EagleHead, HeadCache
 from specdec.sessions import Resync, SyncedContext
 
@@ -38,10 +47,15 @@ class Features:
         return self.rows[first - self.start:end - self.start]
 
 
+# Shortest repeated n-gram whose continuation is proposed instead of the head's (0: never).
+LOOKUP_NGRAM = 2
+
+
 class EagleDrafter:
-    def __init__(self, name: str, head: EagleHead):
+    def __init__(self, name: str, head: EagleHead, lookup_ngram: int = LOOKUP_NGRAM):
         self.name = name
         self.head = head
+        self.lookup_ngram = lookup_ngram
         config = head.config
         self.feature_size = config.hidden_size
         element = torch.finfo(head.fc.weight.dtype).bits // 8
@@ -83,6 +97,10 @@ class EagleDrafter:
         out = head.extend(cache, rows, fed)  # [n, H]
         session.ids.extend(fed)
         cache.trusted = len(context)
+        if self.lookup_ngram and k > 0:
+            copied = lookup(context, k, max(DEFAULT_MAX_NGRAM, self.lookup_ngram), self.lookup_ngram)
+            if copied:
+                return copied
         proposal: list[int] = []
         predicted = out[-1]
         for step in range(k):
