@@ -68,7 +68,9 @@ class EagleConfig:
 
 def is_eagle_dir(spec: str) -> bool:
     """Whether a draft spec names a feature-level head directory."""
-    path = Path(spec).expanduser() / CONFIG_NAME
+    from specdec.models import local_path
+
+    path = local_path(spec) / CONFIG_NAME
     if not path.is_file():
         return False
     try:
@@ -290,7 +292,9 @@ def load(directory: str | Path, target=None, dtype: torch.dtype = torch.float32)
 
     from specdec.models import load_model
 
-    directory = Path(directory).expanduser()
+    from specdec.models import local_path
+
+    directory = local_path(str(directory))
     config = EagleConfig.load(directory)
     tensors = load_file(str(directory / WEIGHTS_NAME))
     if target is None:

