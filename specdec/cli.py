@@ -239,22 +239,59 @@ async def _run_up(args) -> int:
     target = await target_service.serve(worker_config(args.target))
     print(f"target worker  ({args.target}) listening on {target.address}", flush=True)
     servers = [target]
-    draft_addr = None
-    if args.draft != NO_DRAFT:
-        draft = await draft_service.serve(worker_config(args.draft))
-        print(f"draft worker   ({args.draft}) listening on {draft.address}", flush=True)
-        servers.insert(0, draft)
-        draft_addr = draft.address
-    config = _coordinator_config(args, target.address, draft_addr, args.target, coordinator_tls)
-    coordinator = await coordinator_service.serve(config)
-    print(f"coordinator    listening on {coordinator.address} (k={args.k}); Ctrl-C stops", flush=True)
+    draft_addr = child = None
     try:
+        if args.draft == DEFAULT_DRAFT:  # n-gram: no model, nothing to contend
+            draft = await draft_service.serve(worker_config(args.draft))
+            servers.insert(0, draft)
+            draft_addr = draft.address
+        elif args.draft != NO_DRAFT:
+            # A model draft runs in a process of its own, as in a deployment: its torch
+            # threads in this process measured verification rounds ~1.8x slower here.
+            child, draft_addr = await _spawn_draft(args, cert_dir, certs["ca"])
+        if draft_addr is not None:
+            print(f"draft worker   ({args.draft}) listening on {draft_addr}", flush=True)
+        config = _coordinator_config(args, target.address, draft_addr, args.target, coordinator_tls)
+        coordinator = await coordinator_service.serve(config)
+        print(f"coordinator    listening on {coordinator.address} (k={args.k}); Ctrl-C stops", flush=True)
         await serve_until(stop, [coordinator, *servers])
     finally:
         import shutil
 
+        if child is not None:
+            await _stop_child(child)
         shutil.rmtree(cert_dir, ignore_errors=True)
     return 0
+
+
+async def _spawn_draft(args, cert_dir, ca) -> tuple[asyncio.subprocess.Process, str]:
+    """`specdec serve draft` for `specdec up` in a child process, on a free loopback port with
+    this run's mutual TLS; returns the process and its address once it listens."""
+    command = [sys.executable, "-m", "specdec", "serve", "draft", "--host", "127.0.0.1", "--port", "0",
+               "--model", args.draft, "--tls-cert", str(cert_dir / "server.pem"),
+               "--tls-key", str(cert_dir / "server.key"), "--tls-client-ca", str(ca),
+               "--max-sessions", str(args.max_sessions), "--max-cache-mb", str(args.max_cache_mb),
+               "--device", args.device, "--grace-period", "2", "--log-format", args.log_format or "text"]
+    child = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
+    marker = "draft listening on "
+    while True:
+        line = (await child.stdout.readline()).decode()
+        if not line:
+            code = await child.wait()
+            raise ValueError(f"the draft worker for --draft {args.draft} exited ({code}) before listening; "
+                             "its log is above")
+        if line.startswith(marker):
+            return child, line[len(marker):].strip()
+
+
+async def _stop_child(child: asyncio.subprocess.Process) -> None:
+    if child.returncode is None:
+        child.terminate()
+        try:
+            await asyncio.wait_for(child.wait(), timeout=10)
+        except asyncio.TimeoutError:
+            child.kill()
+            await child.wait()
 
 
 async def _run_serve(args) -> int:

@@ -100,4 +100,4 @@ def test_the_shipped_eagle_head_changes_speed_only(smollm2):
         assert results[name].token_ids == reference_greedy(model, prompt_ids, MAX_NEW), name
     proposed = sum(r.stats["proposed"] for r in results.values())
     accepted = sum(r.stats["accepted"] for r in results.values())
-    assert proposed > 0 and accepted / proposed > 0.3, (accepted, proposed)
+    assert proposed > 0 and accepted / proposed > 0.2, (accepted, proposed)
