@@ -109,7 +109,9 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> DraftWor
             return head, info
 
         head, info = thread.call(load_head)
-        drafter = EagleDrafter(config.model, head)
+        if config.cpu_fast_path:
+            head = thread.call(lambda: eagle.fast_cpu_head(head))
+        drafter = EagleDrafter(config.model, head, min_chain_prob=config.min_chain_prob)
         bytes_per_token = drafter.bytes_per_token
     else:
         def load():

@@ -59,6 +59,9 @@ def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-sessions", type=int, default=256, help="sessions cached at once (LRU beyond)")
     parser.add_argument("--max-cache-mb", type=int, default=2048, help="KV-cache budget in MiB (LRU beyond)")
     parser.add_argument("--device", default=_env("SPECDEC_DEVICE", "cpu"), help="torch device [SPECDEC_DEVICE]")
+    parser.add_argument("--min-chain-prob", type=float, default=float(_env("SPECDEC_MIN_CHAIN_PROB", 0.15)),
+                        help="a feature-level head's chain stops where its own probability of the whole chain "
+                             "falls below this; 0: always draft k (default %(default)s) [SPECDEC_MIN_CHAIN_PROB]")
 
 
 def _server_config(args) -> ServerConfig:
@@ -114,7 +117,8 @@ def _worker_config(args, model: str, port: int | None = None) -> WorkerConfig:
     if port is not None:
         server.port = port
     return WorkerConfig(model=model, server=server, max_sessions=args.max_sessions,
-                        max_cache_bytes=args.max_cache_mb << 20, device=args.device)
+                        max_cache_bytes=args.max_cache_mb << 20, device=args.device,
+                        min_chain_prob=args.min_chain_prob)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -271,6 +275,7 @@ async def _spawn_draft(args, cert_dir, ca) -> tuple[asyncio.subprocess.Process, 
                "--model", args.draft, "--tls-cert", str(cert_dir / "server.pem"),
                "--tls-key", str(cert_dir / "server.key"), "--tls-client-ca", str(ca),
                "--max-sessions", str(args.max_sessions), "--max-cache-mb", str(args.max_cache_mb),
+               "--min-chain-prob", str(args.min_chain_prob),
                "--device", args.device, "--grace-period", "2", "--log-format", args.log_format or "text"]
     child = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
     marker = "draft listening on "

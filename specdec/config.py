@@ -55,7 +55,12 @@ class WorkerConfig:
     """Most rounds (sessions) one VerifyBatch / ProposeBatch call may carry."""
     cpu_fast_path: bool = True
     """On CPU, serve a copy of the model with oneDNN-packed linears, grouped-query attention
-    inside SDPA and buffered KV caches (specdec.cpu_fast); no effect on other devices."""
+    inside SDPA and buffered KV caches (specdec.cpu_fast); a feature-level head gets packed
+    bfloat16 weights (specdec.eagle.fast_cpu_head); no effect on other devices."""
+    min_chain_prob: float = 0.15
+    """A feature-level head stops its chain before the token that would bring its own
+    probability of the whole chain being right below this (0: always draft what is asked;
+    draft_worker.drafters.eagle)."""
 
 
 @dataclass

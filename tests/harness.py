@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,13 +29,13 @@ async def start_target(model, tokenizer, port: int = 0, host: str = LOOPBACK):
     return await target_service.serve(config, servicer), servicer
 
 
-async def start_draft(draft, tokenizer=None, port: int = 0, host: str = LOOPBACK):
-    """draft: a model, or "ngram"."""
+async def start_draft(draft, tokenizer=None, port: int = 0, host: str = LOOPBACK, **options):
+    """draft: a model, or "ngram"; options: WorkerConfig fields."""
     if draft == NGRAM:
-        config = worker_config(NGRAM, port, host)
+        config = dataclasses.replace(worker_config(NGRAM, port, host), **options)
         servicer = draft_service.build_servicer(config)
     else:
-        config = worker_config("tiny-draft", port, host)
+        config = dataclasses.replace(worker_config("tiny-draft", port, host), **options)
         servicer = draft_service.build_servicer(config, draft, tokenizer)
     return await draft_service.serve(config, servicer), servicer
 
@@ -59,20 +60,23 @@ class Stack:
         await self.target.stop(grace=0)
         self.target, self.target_servicer = await start_target(model, tokenizer, port)
 
-    async def restart_draft(self, draft, tokenizer=None):
+    async def restart_draft(self, draft, tokenizer=None, **options):
         port = self.draft.port
         await self.draft.stop(grace=0)
-        self.draft, self.draft_servicer = await start_draft(draft, tokenizer, port)
+        self.draft, self.draft_servicer = await start_draft(draft, tokenizer, port, **options)
 
 
 @contextlib.asynccontextmanager
-async def running_stack(target_model, tokenizer, draft=None, draft_tokenizer=None, **coordinator_options):
-    """Target (+ draft: a model or "ngram") + coordinator, torn down at exit."""
+async def running_stack(target_model, tokenizer, draft=None, draft_tokenizer=None, draft_options=None,
+                        **coordinator_options):
+    """Target (+ draft: a model or "ngram", with WorkerConfig fields draft_options) +
+    coordinator, torn down at exit."""
     target, target_servicer = await start_target(target_model, tokenizer)
     draft_server = draft_servicer = None
     try:
         if draft is not None:
-            draft_server, draft_servicer = await start_draft(draft, draft_tokenizer or tokenizer)
+            draft_server, draft_servicer = await start_draft(draft, draft_tokenizer or tokenizer,
+                                                             **(draft_options or {}))
         config = CoordinatorConfig(
             target_addr=target.address, draft_addr=draft_server.address if draft_server else None,
             tokenizer="unused: given in memory", server=ServerConfig(host=LOOPBACK, port=0, grace_period_s=1.0),

@@ -97,8 +97,67 @@ def test_drafter_copies_a_repeated_ngram_and_uses_the_head_otherwise():
         rows = torch.randn(len(context) - 1, 32, generator=torch.Generator().manual_seed(len(context))).half()
         return drafter.propose(synced, 3, Features(0, rows.numpy().tobytes(), 32))
 
-    hybrid, plain = EagleDrafter("h", head), EagleDrafter("h", head, lookup_ngram=0)
+    hybrid = EagleDrafter("h", head, min_chain_prob=0.0)
+    plain = EagleDrafter("h", head, lookup_ngram=0, min_chain_prob=0.0)
     assert propose(hybrid, "a", repeated) == [7, 8, 9]
     chain = propose(plain, "b", repeated)
     assert len(chain) == 3 and all(t in head.draft_vocab.tolist() for t in chain)
     assert propose(hybrid, "c", fresh) == propose(plain, "d", fresh)  # no match: the head's chain
+
+
+def _features(context: list[int], seed: int):
+    from draft_worker.drafters.eagle import Features
+
+    rows = torch.randn(len(context) - 1, 32, generator=torch.Generator().manual_seed(seed)).half()
+    return Features(0, rows.numpy().tobytes(), 32)
+
+
+def test_the_chain_stops_where_the_heads_confidence_in_it_runs_out():
+    from draft_worker.drafters.eagle import EagleDrafter
+    from specdec.sessions import SessionStore
+
+    head = small_head(4)
+    store = SessionStore(8, 1 << 30, 1)
+    context = [11, 12, 13, 14, 15, 16, 17]
+    features = _features(context, 4)
+    full = EagleDrafter("h", head, lookup_ngram=0, min_chain_prob=0.0).propose(store.sync("all", 0, context), 6,
+                                                                               features)
+    assert len(full) == 6
+    # The head's probability of each prefix of its chain, recomputed step by step.
+    cache = eagle.HeadCache(2, 8, torch.float32)
+    rows = torch.cat([torch.zeros(1, 32), features.rows.float()])
+    predicted = head.extend(cache, rows, context)[-1]
+    chain, prefix = 1.0, []
+    for token in full:
+        probs = torch.softmax(head.logits(predicted), -1)
+        assert int(head.draft_vocab[int(probs.argmax())]) == token
+        chain *= float(probs.max())
+        prefix.append(chain)
+        predicted = head.extend(cache, predicted[None], [token])[0]
+    assert prefix[0] > prefix[-1]
+    for cut in range(len(full)):  # a threshold between prefix cut-1 and cut keeps `cut` tokens
+        above = prefix[cut - 1] if cut else 1.0
+        threshold = (above * prefix[cut]) ** 0.5
+        drafter = EagleDrafter("h", head, lookup_ngram=0, min_chain_prob=threshold)
+        assert drafter.propose(store.sync(f"cut{cut}", 0, context), 6, features) == full[:cut]
+
+
+def test_the_packed_head_computes_what_the_plain_head_does():
+    import pytest
+
+    head = small_head(5)
+    tokens = torch.randint(0, 50, (40,)).tolist()
+    features = torch.randn(40, 32)
+    plain_out = head.extend(eagle.HeadCache(2, 8, torch.float32), features, tokens)
+    if eagle.fast_cpu_dtype() is None:
+        pytest.skip("this torch has no oneDNN")
+    fp32 = eagle.fast_cpu_head(head, torch.float32)
+    assert isinstance(head.fc, torch.nn.Linear) and head.lm_head is None  # the given head is untouched
+    out = fp32.extend(eagle.HeadCache(2, 8, torch.float32), features, tokens)
+    torch.testing.assert_close(out, plain_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(fp32.logits(out), head.logits(plain_out), atol=1e-3, rtol=1e-4)
+    bf16 = eagle.fast_cpu_head(head, torch.bfloat16)
+    out16 = bf16.extend(eagle.HeadCache(2, 8, torch.float32), features, tokens)
+    assert out16.dtype == torch.float32
+    # bfloat16 weights and activations: ~3 significant digits.
+    assert float((out16 - plain_out).abs().max()) < 0.05 * float(plain_out.abs().max())

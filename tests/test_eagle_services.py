@@ -21,6 +21,9 @@ from tests.factories import make_tiny_model, make_tiny_tokenizer
 from tests.harness import reference_greedy, run, running_stack
 
 MAX_NEW = 24
+# A random head is never confident in its chains, which the draft worker would cut to nothing
+# (WorkerConfig.min_chain_prob): these tests have it draft what the coordinator asks.
+ALWAYS = {"min_chain_prob": 0.0}
 PROMPTS = ["Explain how tides work.", "Write a haiku about rain.", "def add(a, b):"]
 
 
@@ -115,7 +118,7 @@ def test_head_through_the_services_is_token_identical(target, tokenizer, options
     head = make_head(target)
 
     async def scenario():
-        async with running_stack(target, tokenizer, draft=head, **options) as stack:
+        async with running_stack(target, tokenizer, draft=head, draft_options=ALWAYS, **options) as stack:
             seen = recording(stack.draft_servicer.proposer.drafter)
             async with Client(stack.address) as client:
                 results = [await client.complete(make_request(p, max_new_tokens=MAX_NEW, k=4)) for p in PROMPTS]
@@ -140,14 +143,14 @@ def test_a_restarted_draft_worker_gets_the_features_resent(target, tokenizer, mo
     prompt, max_new = PROMPTS[0], 64
 
     async def scenario():
-        async with running_stack(target, tokenizer, draft=head) as stack:
+        async with running_stack(target, tokenizer, draft=head, draft_options=ALWAYS) as stack:
             # Hold the target mid-request, restart the draft worker, let the request go on.
             gate = Gate(stack.target_servicer.verifier.verify_batch, at_call=4)
             stack.target_servicer.verifier.verify_batch = gate
             async with Client(stack.address) as client:
                 task = asyncio.create_task(client.complete(make_request(prompt, max_new_tokens=max_new, k=4)))
                 assert await asyncio.to_thread(gate.entered.wait, 30)
-                await stack.restart_draft(head, tokenizer)
+                await stack.restart_draft(head, tokenizer, **ALWAYS)
                 seen = recording(stack.draft_servicer.proposer.drafter)
                 gate.release.set()
                 result = await task
@@ -165,7 +168,7 @@ def test_sampling_with_a_head_matches_sampling_without(target, tokenizer):
     request = dict(max_new_tokens=MAX_NEW, k=4, temperature=0.9, top_p=0.95, seed=1234)
 
     async def scenario(draft):
-        async with running_stack(target, tokenizer, draft=draft) as stack:
+        async with running_stack(target, tokenizer, draft=draft, draft_options=ALWAYS if draft else None) as stack:
             async with Client(stack.address) as client:
                 return [await client.complete(make_request(p, **request)) for p in PROMPTS]
 

@@ -14,7 +14,17 @@ prompt lookup, draft_worker.drafters.ngram), and the chain is not run. A head tr
 open-ended answers predicts copied spans (summaries, rewrites, extraction, code edits)
 worse than a lookup does, and the lookup costs nothing; Snowflake's Arctic Inference pairs
 suffix decoding with a model speculator the same way (a match wins, the model otherwise).
-The head still takes in every committed token, so it is ready for the next round."""
+The head still takes in every committed token, so it is ready for the next round.
+
+Stopping early: the chain ends where the head's own probability that the whole chain so far
+is right (the product of its top-token probabilities over the draft vocabulary) falls below
+`min_chain_prob`. A draft token costs a verification row whether or not it is accepted, and
+the head's confidence is well calibrated (held-out SmolLM2 chains: top-1 right 0.18 of the
+time at p 0.1–0.2, 0.63 at 0.5–0.6, 0.98 above 0.9), so a block cut where its expected value
+drops below a row's cost gives more tokens per unit of work than any fixed k — EAGLE-2's
+observation (Li et al. 2024, arXiv:2406.16858) applied to a chain. On the held-out chains a
+cut at 0.15 raised accepted/proposed from 0.27 to 0.49 at k ≤ 4 for 6% fewer tokens per
+round (`benchmarks/head_step.py`)."""
 
 from __future__ import annotations
 
@@ -49,13 +59,18 @@ class Features:
 
 # Shortest repeated n-gram whose continuation is proposed instead of the head's (0: never).
 LOOKUP_NGRAM = 2
+# The chain stops before a token that would bring the head's probability of the whole chain
+# being right below this (0: always draft k).
+MIN_CHAIN_PROB = 0.15
 
 
 class EagleDrafter:
-    def __init__(self, name: str, head: EagleHead, lookup_ngram: int = LOOKUP_NGRAM):
+    def __init__(self, name: str, head: EagleHead, lookup_ngram: int = LOOKUP_NGRAM,
+                 min_chain_prob: float = MIN_CHAIN_PROB):
         self.name = name
         self.head = head
         self.lookup_ngram = lookup_ngram
+        self.min_chain_prob = min_chain_prob
         config = head.config
         self.feature_size = config.hidden_size
         element = torch.finfo(head.fc.weight.dtype).bits // 8
@@ -103,8 +118,13 @@ class EagleDrafter:
                 return copied
         proposal: list[int] = []
         predicted = out[-1]
+        chain = 1.0
         for step in range(k):
-            token = int(head.draft_vocab[int(torch.argmax(head.logits(predicted)))])
+            prob, index = torch.softmax(head.logits(predicted), -1).max(-1)
+            chain *= float(prob)
+            if chain < self.min_chain_prob:
+                break
+            token = int(head.draft_vocab[int(index)])
             proposal.append(token)
             if step + 1 < k:
                 predicted = head.extend(cache, predicted[None], [token])[0]

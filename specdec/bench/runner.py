@@ -105,7 +105,8 @@ class Bench:
         self.fast_model = self.serving.model if config.fast_peers else None
         self.draft_model = self.draft_serving = self.draft_head = None
         if config.draft and is_eagle_dir(config.draft):
-            self.draft_head = eagle.load(config.draft, target=self.model)
+            # As the draft worker serves it (packed weights on CPU): for c.
+            self.draft_head = eagle.fast_cpu_head(eagle.load(config.draft, target=self.model))
         elif config.draft:
             self.draft_model, _ = load_model(config.draft)
             self.draft_serving = serving_lm(self.draft_model)
