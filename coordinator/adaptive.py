@@ -155,8 +155,12 @@ class AdaptiveK:
         self.asked = k
         return k
 
-    def update(self, proposed: int, accepted: int) -> None:
-        """Records a round: `proposed` draft tokens of which the target accepted `accepted`."""
+    def update(self, proposed: int, accepted: int, asked: tuple[int, bool] | None = None) -> None:
+        """Records a round: `proposed` draft tokens of which the target accepted `accepted`.
+        `asked`: (k, probing) of the next_k call those drafts answered, when that was not the
+        last one (a head on the target worker drafts a round ahead: coordinator.rounds)."""
+        if asked is not None:
+            self.asked, self.probing = asked
         asked, self.asked = self.asked, 0
         if asked == 0 and proposed == 0:  # a target-only round: nothing learnt
             return

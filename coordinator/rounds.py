@@ -97,12 +97,17 @@ class RoundRunner:
         detok = IncrementalDetokenizer(self.tokenizer, plan.prompt_ids)
         stopper = StopMatcher(plan.stop)
         finish = FinishReason.FINISH_REASON_UNSPECIFIED
-        use_draft = plan.speculate and self.draft is not None
+        # A head on the target worker drafts each next round in the verification step
+        # (target_worker.head): no Propose, no features on the wire.
+        inline = plan.speculate and bool(self.target.head)
+        use_draft = plan.speculate and self.draft is not None and not inline
         sampling = None if plan.sampling.greedy else plan.sampling.to_proto()
         adaptive = self.drafter_record.start(plan.k)
         # A drafter that reads the target's features (specdec.eagle) gets them from the
         # verdicts; it can draft once the target has seen the context (from round 2).
         features = FeatureLog(self.draft.feature_size) if use_draft and self.draft.feature_size else None
+        ahead: list[int] = []  # with a head on the target: its draft for this round, from the last verdict
+        ahead_asked = (0, False)  # the adaptive controller's (k, probing) it answered
         try:
             while finish == FinishReason.FINISH_REASON_UNSPECIFIED:
                 remaining = plan.max_new_tokens - stats.generated
@@ -112,16 +117,27 @@ class RoundRunner:
                 # Under load a draft token delays every request in the step: its price comes
                 # from the target's measured step costs (coordinator.adaptive.StepCostModel).
                 # Asking the drafter costs its measured round time (coordinator.adaptive).
-                k = (min(adaptive.next_k(self.target.draft_token_cost(target_session),
-                                         self.target.propose_cost(target_session, self.draft.round_times)),
-                         remaining - 1, room - 1)
-                     if use_draft else 0)
-                if features is not None and features.count < len(committed) - 1:
-                    k = 0
-                drafts = await self._propose(draft_session, committed, k, stats, features) if k > 0 else []
-                verdict = await self.target.verify(target_session, committed, drafts, sampling, features)
+                draft_next = 0
+                if inline:
+                    # This round verifies what the head drafted last round; the head drafts
+                    # the next one in this round's step (its cost is in the step's time).
+                    drafts = self._valid(ahead[:max(0, min(remaining - 1, room - 1))])
+                    asked = ahead_asked
+                    draft_next = adaptive.next_k(self.target.draft_token_cost(target_session))
+                    ahead_asked = (adaptive.asked, adaptive.probing)
+                else:
+                    k = (min(adaptive.next_k(self.target.draft_token_cost(target_session),
+                                             self.target.propose_cost(target_session, self.draft.round_times)),
+                             remaining - 1, room - 1)
+                         if use_draft else 0)
+                    if features is not None and features.count < len(committed) - 1:
+                        k = 0
+                    drafts = await self._propose(draft_session, committed, k, stats, features) if k > 0 else []
+                    asked = None
+                verdict = await self.target.verify(target_session, committed, drafts, sampling, features, draft_next)
+                ahead = list(verdict.next_drafts)
                 stats.rounds += 1
-                adaptive.update(len(drafts), verdict.accepted)
+                adaptive.update(len(drafts), verdict.accepted, asked)
                 self.drafter_record.update(len(drafts), verdict.accepted)
                 stats.proposed += len(drafts)
                 stats.accepted += verdict.accepted
@@ -184,8 +200,10 @@ class RoundRunner:
             stats.draft_failures += 1
             log.warning("draft worker failed (%s); this round decodes with the target alone", exc)
             return []
-        drafts = list(block.tokens[:k])
-        # A draft worker's ids are suggestions; one the target cannot score ends the block.
+        return self._valid(list(block.tokens[:k]))
+
+    def _valid(self, drafts: list[int]) -> list[int]:
+        """A drafter's ids are suggestions; one the target cannot score ends the block."""
         for i, token in enumerate(drafts):
             if not 0 <= token < self.target_vocab_size:
                 return drafts[:i]

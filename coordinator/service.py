@@ -159,6 +159,9 @@ async def connect(config: CoordinatorConfig, tokenizer=None, startup_timeout_s: 
                         f"target {target_info.model!r} returns width {target_info.feature_size or 'none'}: the "
                         "draft head was trained for another target")
                 draft.feature_size = draft_info.feature_size
+        target.head = target_info.head
+        if target.head and draft is not None:
+            log.info("the target worker runs draft head %s: it drafts, the draft worker is not asked", target.head)
         target.accepted_vocab_hashes = {target_info.vocab_hash}
         target.expected_shape = model_shape(target_info)
         if draft is not None:
@@ -173,6 +176,7 @@ async def connect(config: CoordinatorConfig, tokenizer=None, startup_timeout_s: 
                 await client.close()
         raise
     log.info("target %s at %s; draft %s at %s", target_info.model, config.target_addr,
+             f"head {target_info.head} (on the target worker)" if target_info.head else
              draft_info.model if draft_info else None, config.draft_addr)
     runner = RoundRunner(target, draft, tokenizer, target_info.model_vocab_size)
     return CoordinatorServicer(config, runner, tokenizer, frozenset(target_info.eos_token_ids),

@@ -358,6 +358,8 @@ class TargetClient(WorkerClient):
         # Longest run of committed tokens one round sends while batching (see verify).
         self.prefill_chunk = prefill_chunk
         self.costs: dict[str, StepCostModel] = {}
+        # The draft head the target workers run next to the target (WorkerInfo.head; "": none).
+        self.head = ""
 
     async def _send_batch(self, stub, requests: list, timeout_s: float):
         return await stub.VerifyBatch(target_pb2.VerifyBatchRequest(rounds=requests), timeout=timeout_s)
@@ -386,8 +388,10 @@ class TargetClient(WorkerClient):
 
     async def verify(self, session: WorkerSession, committed: list[int], drafts: list[int],
                      sampling: common_pb2.SamplingParams | None = None,
-                     features: FeatureLog | None = None) -> target_pb2.Verdict:
-        """One round; with `features`, the verdicts' target features go into it."""
+                     features: FeatureLog | None = None, draft_next: int = 0) -> target_pb2.Verdict:
+        """One round; with `features`, the verdicts' target features go into it; with
+        draft_next, a target worker that runs a head (`head`) drafts the next round's block
+        (Verdict.next_drafts)."""
         wanted = features is not None
         if self.batching:
             # Chunked prefill: a long run of committed tokens (a new prompt, a resync) goes
@@ -403,7 +407,7 @@ class TargetClient(WorkerClient):
         verdict = await self._round(
             session, committed,
             lambda delta: target_pb2.VerifyRequest(delta=delta, draft_tokens=drafts, sampling=sampling,
-                                                   return_features=wanted), "Verify",
+                                                   return_features=wanted, draft_next=draft_next), "Verify",
         )
         if wanted:
             features.put(verdict.feature_start, verdict.features)

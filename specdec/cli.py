@@ -118,7 +118,7 @@ def _worker_config(args, model: str, port: int | None = None) -> WorkerConfig:
         server.port = port
     return WorkerConfig(model=model, server=server, max_sessions=args.max_sessions,
                         max_cache_bytes=args.max_cache_mb << 20, device=args.device,
-                        min_chain_prob=args.min_chain_prob)
+                        min_chain_prob=args.min_chain_prob, head=getattr(args, "head", None))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
         _add_worker_flags(worker)
         worker.add_argument("--model", default=_env("SPECDEC_MODEL", default_model),
                             help="model spec" + (" or 'ngram'" if name == "draft" else "") + " [SPECDEC_MODEL]")
+        if name == "target":
+            worker.add_argument("--head", default=_env("SPECDEC_HEAD", None) or None,
+                                help="a feature-level draft head (directory or built-in name) to run next to the "
+                                     "target: it drafts in each verification step, no draft worker needed "
+                                     "[SPECDEC_HEAD]")
 
     generate = commands.add_parser("generate", help="stream a completion from a coordinator")
     generate.add_argument("prompt", help="the prompt (one user chat message unless --raw)")
@@ -214,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
 async def _run_up(args) -> int:
     from coordinator import service as coordinator_service
     from draft_worker import service as draft_service
+    from specdec.eagle import is_eagle_dir
     from specdec.metrics import serve_metrics
     from specdec.serving import serve_until, stop_on_signals
     from target_worker import service as target_service
@@ -240,8 +246,14 @@ async def _run_up(args) -> int:
         config.server.host, config.server.tls, config.server.insecure = "127.0.0.1", worker_tls, False
         return config
 
-    target = await target_service.serve(worker_config(args.target))
-    print(f"target worker  ({args.target}) listening on {target.address}", flush=True)
+    # A feature-level head runs next to the target (target_worker.head): it reads the
+    # states the verification computes and drafts in the same step, with no draft worker.
+    head = args.draft if args.draft not in (DEFAULT_DRAFT, NO_DRAFT) and is_eagle_dir(args.draft) else None
+    target_config = worker_config(args.target)
+    target_config.head = head
+    target = await target_service.serve(target_config)
+    print(f"target worker  ({args.target}{f', head {head}' if head else ''}) listening on {target.address}",
+          flush=True)
     servers = [target]
     draft_addr = child = None
     try:
@@ -249,7 +261,7 @@ async def _run_up(args) -> int:
             draft = await draft_service.serve(worker_config(args.draft))
             servers.insert(0, draft)
             draft_addr = draft.address
-        elif args.draft != NO_DRAFT:
+        elif args.draft != NO_DRAFT and head is None:
             # A model draft runs in a process of its own, as in a deployment: its torch
             # threads in this process measured verification rounds ~1.8x slower here.
             child, draft_addr = await _spawn_draft(args, cert_dir, certs["ca"])

@@ -57,6 +57,9 @@ class WorkerConfig:
     """On CPU, serve a copy of the model with oneDNN-packed linears, grouped-query attention
     inside SDPA and buffered KV caches (specdec.cpu_fast); a feature-level head gets packed
     bfloat16 weights (specdec.eagle.fast_cpu_head); no effect on other devices."""
+    head: str | None = None
+    """Target only: a feature-level draft head (directory or built-in name) to run next to
+    the target, drafting in the same step as each verification (target_worker.head)."""
     min_chain_prob: float = 0.15
     """A feature-level head stops its chain before the token that would bring its own
     probability of the whole chain being right below this (0: always draft what is asked;

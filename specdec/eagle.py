@@ -17,8 +17,12 @@ Training unrolls those steps ("training-time test"): step s at position t reads 
 prediction of step s-1 at t-1 and attends to the true-feature entries at positions ≤ t-s+1
 plus its own chain's entries at t-s+2 … t, exactly the cache it will see when serving.
 
-Costs on the target's side: nothing extra to compute; on the wire, 2·H bytes per committed
-token (float16; SmolLM2-135M: 1,152 bytes). The head proposes from a reduced vocabulary
+Costs on the target's side: nothing extra to compute. Where it runs: next to the target, in
+the target worker (target_worker.head: `specdec up --draft HEAD`, `specdec serve target
+--head`), it reads the states the verification has just computed and drafts in the same
+step; served by a draft worker instead, every committed token's features cross the wire
+twice, 2·H bytes each (float16; SmolLM2-135M: 1,152 bytes), and every round waits for a
+Propose round trip. The head proposes from a reduced vocabulary
 (`draft_vocab`: the target's most frequent output tokens) through those rows of the target's
 LM head, so a draft step reads one decoder layer and Vd×H head weights instead of the
 target's 30 layers and 49,152×576 head; the input embeddings are the target's own. Neither

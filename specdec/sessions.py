@@ -30,6 +30,9 @@ class Session:
     # The model's cache object (e.g. a transformers DynamicCache); None for drafters that
     # keep no tensors (n-gram).
     cache: Any = None
+    # On a target worker that runs a draft head: the head's state for this session
+    # (target_worker.head.HeadState), dropped with the session.
+    head: Any = None
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,11 @@ from specdec.cpu_fast import serving_lm
 from specdec.models import load_model
 from specdec.sampling import Sampling
 from specdec.serving import ModelThread, RunningServer, start_server
-from specdec.errors import InvalidArgument
+from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.sessions import Resync, SessionStore
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.worker_info import DEFAULT_MAX_BATCH_ROUNDS, SessionWorkerRpcs, model_info, round_error
+from target_worker.head import load_inline_head
 from target_worker.verify import Round, Verifier
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
             result = await self.thread.run(
                 self.verifier.verify, delta.session_id, delta.start, list(delta.tokens), list(request.draft_tokens),
                 Sampling.from_proto(request.sampling if request.HasField("sampling") else None),
-                request.return_features,
+                request.return_features, request.draft_next,
             )
         log.debug("verify %s: start %d, %d new tokens, %d drafts -> %s", delta.session_id, delta.start,
                   len(delta.tokens), len(request.draft_tokens), result)
@@ -56,7 +57,8 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
         if len(request.rounds) > self.max_batch_rounds:
             raise InvalidArgument(f"rounds: {len(request.rounds)} exceeds the limit of {self.max_batch_rounds}")
         rounds = [Round(r.delta.session_id, r.delta.start, list(r.delta.tokens), list(r.draft_tokens),
-                        Sampling.from_proto(r.sampling if r.HasField("sampling") else None), r.return_features)
+                        Sampling.from_proto(r.sampling if r.HasField("sampling") else None), r.return_features,
+                        r.draft_next)
                   for r in request.rounds]
         evictions = self.store.evictions
         with metrics.worker_call("target", "VerifyBatch", len(rounds)):
@@ -85,24 +87,36 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
 def _verdict(result) -> target_pb2.Verdict:
     return target_pb2.Verdict(accepted=result.accepted, next_token=result.next_token, cached_len=result.cached_len,
                               compute_s=result.compute_s, feature_start=result.feature_start,
-                              features=result.features)
+                              features=result.features, next_drafts=result.next_drafts)
 
 
-def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> TargetWorkerServicer:
-    """Loads the model (unless given one) and wires the verifier. Loading runs on the
-    model thread, like every forward pass after it (see ModelThread.call)."""
+def build_servicer(config: WorkerConfig, model=None, tokenizer=None, head=None) -> TargetWorkerServicer:
+    """Loads the model (unless given one), and the draft head named by config.head (or the
+    given EagleHead) to run next to it (target_worker.head), and wires the verifier. Loading
+    runs on the model thread, like every forward pass after it (see ModelThread.call)."""
     thread = ModelThread("target")
 
     def load():
         loaded, loaded_tokenizer = (model, tokenizer) if model is not None else load_model(config.model,
                                                                                           device=config.device)
-        return serving_lm(loaded, config.cpu_fast_path), model_info(config.model, loaded, loaded_tokenizer)
+        inline = load_inline_head(config.head, loaded, head, fast=config.cpu_fast_path,
+                                  min_chain_prob=config.min_chain_prob)
+        return (serving_lm(loaded, config.cpu_fast_path), model_info(config.model, loaded, loaded_tokenizer),
+                inline)
 
-    lm, info = thread.call(load)
+    lm, info, inline = thread.call(load)
     info.max_batch_rounds = config.max_batch_rounds
     info.feature_size = lm.feature_size
-    store = SessionStore(config.max_sessions, config.max_cache_bytes, lm.bytes_per_token)
-    return TargetWorkerServicer(Verifier(lm, store, config.max_k), info, thread)
+    bytes_per_token = lm.bytes_per_token
+    if inline is not None:
+        if inline.feature_size != lm.feature_size:
+            raise FailedPrecondition(f"head {inline.name!r} reads features of width {inline.feature_size}, but "
+                                     f"target {config.model!r} has width {lm.feature_size}: it was trained for "
+                                     "another target")
+        info.head = inline.name
+        bytes_per_token += inline.bytes_per_token
+    store = SessionStore(config.max_sessions, config.max_cache_bytes, bytes_per_token)
+    return TargetWorkerServicer(Verifier(lm, store, config.max_k, inline), info, thread)
 
 
 async def serve(config: WorkerConfig, servicer: TargetWorkerServicer | None = None) -> RunningServer:

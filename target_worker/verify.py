@@ -11,6 +11,7 @@ when it is fed in the next round.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ class Round:
     drafts: list[int]
     sampling: Sampling = GREEDY
     features: bool = False  # return the committed positions' features
+    draft_next: int = 0  # with a head on this worker: draft this many for the next round
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class Verdict:
     # feature_start … cached_len - 1 (the committed positions this round fed).
     feature_start: int = 0
     features: bytes = b""
+    # With Round.draft_next and a head on this worker: its draft for the next round.
+    next_drafts: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,9 @@ class BatchOutcome:
 
 
 class Verifier:
-    def __init__(self, lm: CausalLM, store: SessionStore, max_draft_tokens: int):
+    def __init__(self, lm: CausalLM, store: SessionStore, max_draft_tokens: int, head=None):
         self.lm = lm
+        self.head = head  # target_worker.head.InlineHead or None
         self.store = store
         self.max_draft_tokens = max_draft_tokens
         self.vocab_size = int(lm.model.get_output_embeddings().weight.shape[0])
@@ -69,9 +74,10 @@ class Verifier:
             raise InvalidArgument(f"{name}: token id {bad[0]} outside the vocabulary 0..{self.vocab_size - 1}")
 
     def verify(self, session_id: str, start: int, tokens: list[int], drafts: list[int],
-               sampling: Sampling = GREEDY, features: bool = False) -> Verdict | Resync:
+               sampling: Sampling = GREEDY, features: bool = False, draft_next: int = 0) -> Verdict | Resync:
         """One round alone (the unary Verify rpc); errors raise."""
-        result = self.verify_batch([Round(session_id, start, tokens, drafts, sampling, features)]).results[0]
+        result = self.verify_batch([Round(session_id, start, tokens, drafts, sampling, features,
+                                          draft_next)]).results[0]
         if isinstance(result, BaseException):
             raise result
         return result
@@ -104,7 +110,7 @@ class Verifier:
             try:
                 sessions, fed = [synced.session for _, synced, _ in ready], [fed for _, _, fed in ready]
                 keep = [len(rounds[i].drafts) + 1 for i, _, _ in ready]
-                if any(rounds[i].features for i, _, _ in ready):
+                if self.head is not None or any(rounds[i].features for i, _, _ in ready):
                     logits, hidden = self.lm.feed_batch(sessions, fed, keep, features=True)
                 else:
                     logits = self.lm.feed_batch(sessions, fed, keep)
@@ -120,24 +126,31 @@ class Verifier:
             for (i, synced, fed), (accepted_n, next_id), states in zip(ready, decisions, hidden):
                 committed = len(synced.context) + accepted_n
                 self.lm.crop(synced.session, committed)
-                feature_start, feature_bytes = 0, b""
-                if rounds[i].features:
+                feature_start, feature_bytes, next_drafts = 0, b"", ()
+                if states is not None:
                     # The fed committed tokens, then the accepted drafts: all now committed.
                     fed_committed = len(fed) - len(rounds[i].drafts)
                     feature_start = len(synced.context) - fed_committed
-                    feature_bytes = states[:fed_committed + accepted_n].to(torch.float16).contiguous().numpy().tobytes()
-                results[i] = Verdict(accepted_n, next_id, committed, 0.0, feature_start, feature_bytes)
+                    states = states[:fed_committed + accepted_n].to(torch.float16).contiguous()
+                    if self.head is not None:
+                        self.head.record(synced.session, feature_start, states)
+                        if rounds[i].draft_next:
+                            context = synced.context + rounds[i].drafts[:accepted_n] + [next_id]
+                            next_drafts = tuple(self.head.draft(synced.session, context, rounds[i].draft_next))
+                    feature_bytes = states.numpy().tobytes() if rounds[i].features else b""
+                    feature_start = feature_start if rounds[i].features else 0
+                results[i] = Verdict(accepted_n, next_id, committed, 0.0, feature_start, feature_bytes, next_drafts)
             for i, synced, _ in ready:
                 self.store.enforce_budget(keep=synced.session.session_id)
         step_s = time.perf_counter() - began
-        results = [r if not isinstance(r, Verdict) else
-                   Verdict(r.accepted, r.next_token, r.cached_len, step_s, r.feature_start, r.features)
-                   for r in results]
+        results = [dataclasses.replace(r, compute_s=step_s) if isinstance(r, Verdict) else r for r in results]
         return BatchOutcome(results, step_s, rows)
 
     def _validate(self, rnd: Round) -> None:
         if len(rnd.drafts) > self.max_draft_tokens:
             raise InvalidArgument(f"draft_tokens: {len(rnd.drafts)} exceeds the limit of {self.max_draft_tokens}")
+        if rnd.draft_next > self.max_draft_tokens:
+            raise InvalidArgument(f"draft_next: {rnd.draft_next} exceeds the limit of {self.max_draft_tokens}")
         self._check_ids("delta.tokens", rnd.tokens)
         self._check_ids("draft_tokens", rnd.drafts)
         if rnd.start + len(rnd.tokens) + len(rnd.drafts) > self.max_context:

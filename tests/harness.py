@@ -23,9 +23,11 @@ def worker_config(name: str, port: int = 0, host: str = LOOPBACK) -> WorkerConfi
     return WorkerConfig(model=name, server=ServerConfig(host=host, port=port, grace_period_s=1.0))
 
 
-async def start_target(model, tokenizer, port: int = 0, host: str = LOOPBACK):
-    config = worker_config("tiny-target", port, host)
-    servicer = target_service.build_servicer(config, model, tokenizer)
+async def start_target(model, tokenizer, port: int = 0, host: str = LOOPBACK, head=None, **options):
+    """head: an EagleHead to run next to the target (target_worker.head); options:
+    WorkerConfig fields."""
+    config = dataclasses.replace(worker_config("tiny-target", port, host), **options)
+    servicer = target_service.build_servicer(config, model, tokenizer, head=head)
     return await target_service.serve(config, servicer), servicer
 
 
@@ -68,10 +70,11 @@ class Stack:
 
 @contextlib.asynccontextmanager
 async def running_stack(target_model, tokenizer, draft=None, draft_tokenizer=None, draft_options=None,
-                        **coordinator_options):
-    """Target (+ draft: a model or "ngram", with WorkerConfig fields draft_options) +
+                        target_head=None, target_options=None, **coordinator_options):
+    """Target (with an EagleHead target_head next to it, and WorkerConfig fields
+    target_options) + draft (a model or "ngram", with WorkerConfig fields draft_options) +
     coordinator, torn down at exit."""
-    target, target_servicer = await start_target(target_model, tokenizer)
+    target, target_servicer = await start_target(target_model, tokenizer, head=target_head, **(target_options or {}))
     draft_server = draft_servicer = None
     try:
         if draft is not None:

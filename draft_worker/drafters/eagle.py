@@ -1,5 +1,8 @@
 """A feature-level head (specdec.eagle) as a drafter: it reads the target's hidden states,
-which the coordinator forwards from the target's verdicts with each Propose.
+which the coordinator forwards from the target's verdicts with each Propose when a draft
+worker serves the head, or which the target worker hands it directly when the head runs next
+to the target (target_worker.head, the faster arrangement: no features on the wire, no
+Propose round trip).
 
 Per session the head keeps its own KV cache (specdec.eagle.HeadCache). Entries of committed
 positions are fed with the target's true features and stay; entries of draft positions are
@@ -47,6 +50,13 @@ class Features:
             raise InvalidArgument(f"features: {len(data)} bytes is not a whole number of float16 rows of {size}")
         self.rows = torch.frombuffer(bytearray(data), dtype=torch.float16).view(count, size) if count else \
             torch.zeros((0, size), dtype=torch.float16)
+
+    @classmethod
+    def from_rows(cls, start: int, rows: torch.Tensor) -> Features:
+        """Features already in a [n, H] tensor (a target worker's own)."""
+        features = cls.__new__(cls)
+        features.start, features.rows = start, rows
+        return features
 
     def cover(self, first: int, end: int) -> torch.Tensor | None:
         """Rows of positions first … end - 1, or None when some are missing."""

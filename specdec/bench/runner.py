@@ -59,7 +59,7 @@ def configurations(config: BenchConfig) -> list[Configuration]:
     out += [Configuration(SPECDEC_TARGET_ONLY, "3", "specdec, no speculation", None),
             Configuration(SPECDEC_NGRAM, "4", f"specdec, n-gram (k≤{k}, adaptive)", NGRAM)]
     if config.draft:
-        what = "EAGLE-style head" if head else "draft model"
+        what = "EAGLE-style head on the target worker" if head else "draft model"
         out.append(Configuration(SPECDEC_DRAFT, "4", f"specdec, {what} (k≤{k}, adaptive)", config.draft))
     return out
 

@@ -61,7 +61,7 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "tokenizer_vocab_size", "vocab_hash", "model_vocab_size", "max_context", "eos_token_ids", "active_sessions", "cache_bytes", "max_batch_rounds", "feature_size")
+    __slots__ = ("model", "tokenizer_vocab_size", "vocab_hash", "model_vocab_size", "max_context", "eos_token_ids", "active_sessions", "cache_bytes", "max_batch_rounds", "feature_size", "head")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,7 @@ class WorkerInfo(_message.Message):
     CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer_vocab_size: int
     vocab_hash: str
@@ -82,4 +83,5 @@ class WorkerInfo(_message.Message):
     cache_bytes: int
     max_batch_rounds: int
     feature_size: int
-    def __init__(self, model: _Optional[str] = ..., tokenizer_vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., model_vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., max_batch_rounds: _Optional[int] = ..., feature_size: _Optional[int] = ...) -> None: ...
+    head: str
+    def __init__(self, model: _Optional[str] = ..., tokenizer_vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., model_vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., max_batch_rounds: _Optional[int] = ..., feature_size: _Optional[int] = ..., head: _Optional[str] = ...) -> None: ...

@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("delta", "draft_tokens", "sampling", "return_features")
+    __slots__ = ("delta", "draft_tokens", "sampling", "return_features", "draft_next")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_NEXT_FIELD_NUMBER: _ClassVar[int]
     delta: _common_pb2.SessionDelta
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     return_features: bool
-    def __init__(self, delta: _Optional[_Union[_common_pb2.SessionDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ...) -> None: ...
+    draft_next: int
+    def __init__(self, delta: _Optional[_Union[_common_pb2.SessionDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., draft_next: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("verdict", "resync", "error")
@@ -46,17 +48,19 @@ class VerifyBatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[VerifyResponse, _Mapping]]] = ..., step_s: _Optional[float] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("accepted", "next_token", "cached_len", "compute_s", "feature_start", "features")
+    __slots__ = ("accepted", "next_token", "cached_len", "compute_s", "feature_start", "features", "next_drafts")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
     FEATURE_START_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     cached_len: int
     compute_s: float
     feature_start: int
     features: bytes
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cached_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., feature_start: _Optional[int] = ..., features: _Optional[bytes] = ...) -> None: ...
+    next_drafts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cached_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., feature_start: _Optional[int] = ..., features: _Optional[bytes] = ..., next_drafts: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -1,0 +1,105 @@
+"""A feature-level draft head run by the target worker itself (`specdec serve target --head`,
+and what `specdec up --draft HEAD` does).
+
+A head (specdec.eagle) reads the target's hidden states, which exist only on the target
+worker; served by a draft worker, every committed position's features cross the wire twice
+(target → coordinator → draft, 1,152 bytes per token on SmolLM2) and every round waits for a
+Propose round trip before it can verify. Next to the target the head reads the states the
+verification has just computed, and drafts the next round's block in the same step: the
+verdict carries it (Verdict.next_drafts), so a round is one Verify call. The head costs ~3%
+of a target step (c ≈ 0.03 on CPU, specdec.eagle.fast_cpu_head), so it does not change how
+the target scales; this is also how EAGLE heads are served in one-process systems (vLLM and
+SGLang run the head in the target's worker). Output is unaffected: the target verifies every
+draft token exactly as it verifies a draft worker's.
+
+Per target session the head keeps its own session (its cache and the ids fed to it) and the
+features of committed positions it has not yet been fed: rounds that ask for no draft
+(a paused request, `--no-speculation`) only record them, and the next drafting round feeds
+them all. The state lives on the target's session, so eviction drops both together, and a
+session rebuilt from position 0 rebuilds the head's. Should the features ever have a gap
+(a session continued without its earlier positions), the head state is dropped and that
+session gets no drafts until it is rebuilt from 0: drafts only ever cost speed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draft_worker.drafters.eagle import EagleDrafter, Features
+from specdec.sessions import Resync, Session, SyncedContext, common_prefix_len
+
+
+@dataclass
+class HeadState:
+    session: Session  # the head's own cache and fed ids
+    start: int  # position of rows[0]
+    rows: torch.Tensor  # [n, H] float16 features of committed positions start … not yet fed
+
+
+class InlineHead:
+    def __init__(self, drafter: EagleDrafter):
+        self.drafter = drafter
+        self.name = drafter.name
+        self.feature_size = drafter.feature_size
+        self.bytes_per_token = drafter.bytes_per_token + 2 * drafter.feature_size
+
+    def record(self, session: Session, start: int, rows: torch.Tensor) -> None:
+        """The target computed these features (float16 [n, H]) of committed positions
+        start … start + n - 1."""
+        if not len(rows):
+            return
+        state = session.head
+        if state is None:
+            if start == 0:  # the head can only start from the first position
+                session.head = HeadState(Session(session.session_id + "/head"), 0, rows)
+            return
+        end = state.start + len(state.rows)
+        if start > end:  # a gap: the head cannot be fed past it
+            session.head = None
+            return
+        if start < state.start:
+            state.start, state.rows = start, rows
+            return
+        state.rows = torch.cat([state.rows[:start - state.start], rows])
+
+    def draft(self, session: Session, context: list[int], k: int) -> list[int]:
+        """Up to k draft tokens continuing `context` (the committed sequence, its last token
+        the target's own choice of this round)."""
+        state = session.head
+        if state is None or k <= 0:
+            return []
+        reusable = common_prefix_len(state.session.ids, context)
+        features = Features.from_rows(state.start, state.rows)
+        result = self.drafter.propose(SyncedContext(state.session, context, reusable), k, features)
+        if isinstance(result, Resync):
+            session.head = None
+            return []
+        # The head now holds every position before the last; next time it needs features
+        # from len(context) - 1 on at the earliest.
+        drop = max(0, len(context) - 1 - state.start)
+        state.rows, state.start = state.rows[drop:], state.start + drop
+        return result
+
+
+def load_inline_head(spec: str | None, target, head=None, fast: bool = True,
+                     min_chain_prob: float | None = None) -> InlineHead | None:
+    """The head named by `spec` (a head directory or built-in name), or the given EagleHead,
+    on top of the loaded `target` model; None when neither is given."""
+    from specdec import eagle
+    from draft_worker.drafters.eagle import MIN_CHAIN_PROB
+
+    if head is None and not spec:
+        return None
+    if head is None:
+        if not eagle.is_eagle_dir(spec):
+            from specdec.errors import InvalidArgument
+
+            raise InvalidArgument(f"--head {spec!r} is not a feature-level head directory (config.json with "
+                                  f"specdec_draft: {eagle.KIND!r})")
+        head = eagle.load(spec, target=target)
+    if fast:
+        head = eagle.fast_cpu_head(head)
+    chain = MIN_CHAIN_PROB if min_chain_prob is None else min_chain_prob
+    return InlineHead(EagleDrafter(spec or "head", head, min_chain_prob=chain))

@@ -1,0 +1,145 @@
+"""A feature-level head run by the target worker itself (target_worker.head): it drafts each
+next round in the verification step from the hidden states the target has just computed;
+the output is still the target's alone — batched, unbatched, with chunked prefill, sampled,
+and when the target loses the session mid-request. The features the head is fed are the
+target's own hidden states, position by position."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specdec import distill
+from specdec.client import Client, make_request
+from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.sessions import SessionStore
+from target_worker.head import InlineHead
+from target_worker.verify import Verifier
+from tests.factories import make_tiny_model
+from tests.harness import reference_greedy, run, running_stack
+# The tiny target and tokenizer fixtures, a random head for it, the check that features are
+# the target's hidden states, and the option that has a random head draft what is asked.
+from tests.test_eagle_services import ALWAYS, check_features, make_head, target, tokenizer  # noqa: F401
+
+MAX_NEW = 24
+PROMPTS = ["Explain how tides work.", "Write a haiku about rain.", "def add(a, b):"]
+
+
+def recording(head: InlineHead):
+    """Records (context, features) of every draft the head makes on the target worker."""
+    seen = []
+    original = head.drafter.propose
+
+    def propose(synced, k, features=None):
+        seen.append((list(synced.context), features))
+        return original(synced, k, features)
+
+    head.drafter.propose = propose
+    return seen
+
+
+@pytest.mark.parametrize("options", [{}, {"batching": False}, {"prefill_chunk_tokens": 8}],
+                         ids=["batched", "unbatched", "chunked-prefill"])
+def test_a_head_on_the_target_is_token_identical(target, tokenizer, options):
+    head = make_head(target)
+
+    async def scenario():
+        async with running_stack(target, tokenizer, target_head=head, target_options=ALWAYS, **options) as stack:
+            assert stack.draft is None  # no draft worker at all
+            seen = recording(stack.target_servicer.verifier.head)
+            async with Client(stack.address) as client:
+                results = [await client.complete(make_request(p, max_new_tokens=MAX_NEW, k=4)) for p in PROMPTS]
+            return results, seen
+
+    results, seen = run(scenario())
+    for text, result in zip(PROMPTS, results):
+        assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
+        assert result.stats["proposed"] > 0
+    assert check_features(target, seen) > 0
+
+
+def test_concurrent_requests_with_a_head_on_the_target(target, tokenizer):
+    head = make_head(target, seed=1)
+
+    async def scenario():
+        async with running_stack(target, tokenizer, target_head=head, target_options=ALWAYS) as stack:
+            async with Client(stack.address) as client:
+                return await asyncio.gather(*[client.complete(make_request(p, max_new_tokens=MAX_NEW, k=3))
+                                              for p in PROMPTS * 2])
+
+    for text, result in zip(PROMPTS * 2, run(scenario())):
+        assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
+
+
+def test_sampling_with_a_head_on_the_target_matches_sampling_without(target, tokenizer):
+    head = make_head(target)
+    request = dict(max_new_tokens=MAX_NEW, k=4, temperature=0.9, top_p=0.95, seed=1234)
+
+    async def scenario(with_head):
+        async with running_stack(target, tokenizer, target_head=head if with_head else None,
+                                 target_options=ALWAYS) as stack:
+            async with Client(stack.address) as client:
+                return [await client.complete(make_request(p, **request)) for p in PROMPTS]
+
+    with_head = run(scenario(True))
+    alone = run(scenario(False))
+    assert [r.token_ids for r in with_head] == [r.token_ids for r in alone]
+    assert sum(r.stats["proposed"] for r in with_head) > 0
+
+
+def test_a_session_lost_mid_request_rebuilds_the_head(target, tokenizer, monkeypatch):
+    from coordinator.adaptive import AdaptiveK
+    from tests.test_services import Gate
+
+    monkeypatch.setattr(AdaptiveK, "next_k", lambda self, *args: self.k_max)  # draft every round
+    head = make_head(target)
+    prompt, max_new = PROMPTS[0], 48
+
+    async def scenario():
+        async with running_stack(target, tokenizer, target_head=head, target_options=ALWAYS) as stack:
+            verifier = stack.target_servicer.verifier
+            gate = Gate(verifier.verify_batch, at_call=5)
+            verifier.verify_batch = gate
+            async with Client(stack.address) as client:
+                task = asyncio.create_task(client.complete(make_request(prompt, max_new_tokens=max_new, k=4)))
+                assert await asyncio.to_thread(gate.entered.wait, 30)
+                # The model thread waits in the gate: drop every session, as an eviction would.
+                for session_id in list(verifier.store._sessions):
+                    verifier.store.release(session_id)
+                seen = recording(verifier.head)
+                gate.release.set()
+                result = await task
+            return result, seen
+
+    result, seen = run(scenario())
+    assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, prompt), max_new)
+    assert result.stats["resyncs"] >= 1
+    assert any(f.start == 0 for _, f in seen)  # the head was fed again from position 0
+    assert check_features(target, seen) > 0
+
+
+def test_draft_next_beyond_the_limit_is_invalid(target):
+    from specdec.cpu_fast import serving_lm
+    from target_worker.head import load_inline_head
+
+    lm = serving_lm(target)
+    verifier = Verifier(lm, SessionStore(8, 1 << 30, lm.bytes_per_token), 4,
+                        load_inline_head(None, target, make_head(target), min_chain_prob=0.0))
+    with pytest.raises(InvalidArgument, match="draft_next"):
+        verifier.verify("s", 0, list(range(5, 15)), [], draft_next=5)
+    first = verifier.verify("s", 0, list(range(5, 15)), [], draft_next=4)
+    assert len(first.next_drafts) == 4
+    plain = Verifier(lm, SessionStore(8, 1 << 30, lm.bytes_per_token), 4)
+    assert plain.verify("t", 0, list(range(5, 15)), [], draft_next=4).next_drafts == ()  # no head: none
+
+
+def test_a_head_for_another_target_is_refused_at_start(target, tokenizer):
+    other = make_tiny_model(tokenizer, seed=1, hidden=32)
+
+    async def scenario():
+        async with running_stack(target, tokenizer, target_head=make_head(other)):
+            pass
+
+    with pytest.raises(FailedPrecondition, match="width 32"):
+        run(scenario())
