@@ -53,6 +53,7 @@ class Stats:
     accepted: int = 0
     generated: int = 0
     draft_failures: int = 0
+    rejected_blocks: int = 0
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
 
@@ -74,6 +75,7 @@ class Stats:
             verify_s=sum(s.seconds for s in target),
             wire_bytes=sum(s.wire_bytes for s in sessions),
             resyncs=sum(s.resyncs for s in sessions),
+            rejected_blocks=self.rejected_blocks,
         )
 
 
@@ -141,6 +143,7 @@ class RoundRunner:
                 self.drafter_record.update(len(drafts), verdict.accepted)
                 stats.proposed += len(drafts)
                 stats.accepted += verdict.accepted
+                stats.rejected_blocks += verdict.accepted < len(drafts)
                 new, finish = self._commit(drafts[:verdict.accepted] + [verdict.next_token], plan, stats, room)
                 metrics.ROUNDS.inc()
                 metrics.PROPOSED.inc(len(drafts))

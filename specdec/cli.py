@@ -130,8 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_server_flags(up, DEFAULT_COORDINATOR_PORT)
     _add_worker_flags(up)
     up.add_argument("--target", default=DEFAULT_TARGET, help="target model spec (default %(default)s)")
-    up.add_argument("--draft", default=DEFAULT_DRAFT,
-                    help="draft model spec, 'ngram' or 'none' (default %(default)s)")
+    up.add_argument("--draft", default=None,
+                    help="draft model or head spec, 'ngram' or 'none' (default: the built-in head trained for the "
+                         "target if there is one — smollm2-135m-eagle for smollm2-135m — else ngram)")
     up.add_argument("--k", type=int, default=DEFAULT_K, help="default speculative tokens per round")
     _add_coordinator_flags(up)
 
@@ -224,7 +225,10 @@ async def _run_up(args) -> int:
     from specdec.serving import serve_until, stop_on_signals
     from target_worker import service as target_service
 
+    from specdec.models import NGRAM, default_draft
+
     stop = stop_on_signals()
+    args.draft = args.draft or default_draft(args.target)
 
     # One process serves all three here, so one /metrics endpoint covers them.
     serve_metrics(_server_config(args).metrics_port, args.host)
@@ -248,7 +252,7 @@ async def _run_up(args) -> int:
 
     # A feature-level head runs next to the target (target_worker.head): it reads the
     # states the verification computes and drafts in the same step, with no draft worker.
-    head = args.draft if args.draft not in (DEFAULT_DRAFT, NO_DRAFT) and is_eagle_dir(args.draft) else None
+    head = args.draft if args.draft not in (NGRAM, NO_DRAFT) and is_eagle_dir(args.draft) else None
     target_config = worker_config(args.target)
     target_config.head = head
     target = await target_service.serve(target_config)
@@ -257,7 +261,7 @@ async def _run_up(args) -> int:
     servers = [target]
     draft_addr = child = None
     try:
-        if args.draft == DEFAULT_DRAFT:  # n-gram: no model, nothing to contend
+        if args.draft == NGRAM:  # n-gram: no model, nothing to contend
             draft = await draft_service.serve(worker_config(args.draft))
             servers.insert(0, draft)
             draft_addr = draft.address

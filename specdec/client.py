@@ -12,7 +12,8 @@ import grpc
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 STATS_FIELDS = ("rounds", "proposed", "accepted", "acceptance_rate", "tokens_per_round", "ttft_s", "tokens_per_s")
-EXTRA_STATS_FIELDS = ("prompt_tokens", "generated_tokens", "draft_s", "verify_s", "wire_bytes", "resyncs", "seed")
+EXTRA_STATS_FIELDS = ("prompt_tokens", "generated_tokens", "draft_s", "verify_s", "wire_bytes", "resyncs", "seed",
+                      "rejected_blocks")
 
 
 def make_request(prompt: str | list[int], *, raw: bool = False, max_new_tokens: int = 128, k: int | None = None,

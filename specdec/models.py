@@ -33,6 +33,18 @@ BUILTIN_DRAFTS = {"smollm2-135m-eagle": "smollm2-135m-eagle"}
 DRAFTS_DIR = Path(__file__).resolve().parent.parent / "drafts"
 
 
+# The draft `specdec up` runs for a target when none is named: a built-in draft trained for it
+# and measured faster than n-gram overall by `specdec bench` (benchmarks/results/
+# bench-eagle-head.md); n-gram for other targets, or where drafts/ is not present.
+DEFAULT_DRAFTS = {"smollm2-135m": "smollm2-135m-eagle"}
+
+
+def default_draft(target: str) -> str:
+    """The draft for `specdec up --target TARGET` without --draft."""
+    name = DEFAULT_DRAFTS.get(target)
+    return name if name is not None and local_path(name).is_dir() else NGRAM
+
+
 def local_path(spec: str) -> Path:
     """The directory or file a spec names on disk: a built-in draft's directory, else the
     spec itself as a path."""

@@ -55,7 +55,12 @@ def test_a_head_on_the_target_is_token_identical(target, tokenizer, options):
     results, seen = run(scenario())
     for text, result in zip(PROMPTS, results):
         assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
-        assert result.stats["proposed"] > 0
+        stats = result.stats
+        assert stats["proposed"] > 0
+        # Each block with a rejected token counts once; a block accepted whole does not.
+        rejected = stats["proposed"] - stats["accepted"]
+        assert (rejected > 0) <= (stats["rejected_blocks"] > 0)
+        assert stats["rejected_blocks"] <= min(rejected, stats["rounds"])
     assert check_features(target, seen) > 0
 
 

@@ -129,7 +129,12 @@ def _speculation(runs, measured: dict, drafter: str, k: int, row: dict) -> dict:
     c = measured["c_ngram"] if drafter == NGRAM else measured.get("c_draft", 0.0)
     v = measured["v"]
     rate = stats.get("acceptance_rate", 0.0)
-    alpha = costs.alpha_from_acceptance_rate(rate, k)
+    # α measured: each accepted token was one success, each block cut by a rejection one
+    # failure (right for any block lengths: adaptive k, a head that stops early); from
+    # accepted/proposed only as a fallback, which assumes full k-token blocks.
+    accepted, rejected = stats.get("accepted", 0), stats.get("rejected_blocks")
+    alpha = (accepted / (accepted + rejected) if rejected is not None and accepted + rejected
+             else costs.alpha_from_acceptance_rate(rate, k))
     generated = stats.get("generated_tokens") or len(runs[0].token_ids)
     observed = costs.observed_theoretical_speedup(generated, stats.get("rounds", 0), stats.get("proposed", 0),
                                                   c, v, k)
@@ -222,7 +227,8 @@ def markdown(report: dict) -> str:
         "",
         "Speedups are paired medians (same prompt, same repeat). ×(1): over HF generate(); ×(2): over HF assisted "
         "with the same drafter (×(2f): the same, on the fast-path model); ×(3): over specdec without speculation. "
-        "α: accepted/proposed; tok/rnd: tokens per round; c, v: measured draft and (k+1)-verify cost in target "
+        "α: accepted/proposed (the targets' α is the per-token acceptance, accepted / (accepted + blocks cut by "
+        "a rejection)); tok/rnd: tokens per round; c, v: measured draft and (k+1)-verify cost in target "
         "steps; theory: Leviathan speedup on the observed rounds; ach.: ×(3) / theory; wire: bytes on the "
         "coordinator's worker links per generated token.",
         "",
