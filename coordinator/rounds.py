@@ -100,9 +100,9 @@ class RoundRunner:
         stopper = StopMatcher(plan.stop)
         finish = FinishReason.FINISH_REASON_UNSPECIFIED
         # A head on the target worker drafts each next round in the verification step
-        # (target_worker.head): no Propose, no features on the wire.
-        inline = plan.speculate and bool(self.target.head)
-        use_draft = plan.speculate and self.draft is not None and not inline
+        # (target_worker.head): no Propose, no features on the wire. Rounds on a target
+        # replica without a head (a fleet mid-rollout) ask the draft worker instead.
+        use_draft = plan.speculate and self.draft is not None
         sampling = None if plan.sampling.greedy else plan.sampling.to_proto()
         adaptive = self.drafter_record.start(plan.k)
         # A drafter that reads the target's features (specdec.eagle) gets them from the
@@ -120,7 +120,7 @@ class RoundRunner:
                 # from the target's measured step costs (coordinator.adaptive.StepCostModel).
                 # Asking the drafter costs its measured round time (coordinator.adaptive).
                 draft_next = 0
-                if inline:
+                if plan.speculate and self.target.runs_head(target_session):
                     # This round verifies what the head drafted last round; the head drafts
                     # the next one in this round's step (its cost is in the step's time).
                     drafts = self._valid(ahead[:max(0, min(remaining - 1, room - 1))])
@@ -135,7 +135,7 @@ class RoundRunner:
                     if features is not None and features.count < len(committed) - 1:
                         k = 0
                     drafts = await self._propose(draft_session, committed, k, stats, features) if k > 0 else []
-                    asked = None
+                    asked, ahead_asked = None, (0, False)
                 verdict = await self.target.verify(target_session, committed, drafts, sampling, features, draft_next)
                 ahead = list(verdict.next_drafts)
                 stats.rounds += 1

@@ -161,7 +161,8 @@ async def connect(config: CoordinatorConfig, tokenizer=None, startup_timeout_s: 
                 draft.feature_size = draft_info.feature_size
         target.head = target_info.head
         if target.head and draft is not None:
-            log.info("the target worker runs draft head %s: it drafts, the draft worker is not asked", target.head)
+            log.info("the target worker runs draft head %s: the draft worker drafts only for target replicas "
+                     "that run none", target.head)
         target.accepted_vocab_hashes = {target_info.vocab_hash}
         target.expected_shape = model_shape(target_info)
         if draft is not None:

@@ -205,6 +205,8 @@ class WorkerClient:
         info = await self.stub(replica).GetInfo(common_pb2.WorkerInfoRequest(), timeout=INFO_TIMEOUT_S)
         if self.expected_shape is not None and model_shape(info) != self.expected_shape:
             return False
+        if self.kind == "target":
+            self.heads[replica.address] = info.head
         if self.kind == "draft" and info.feature_size:
             if info.feature_size != self.target_feature_size:
                 return False
@@ -358,8 +360,16 @@ class TargetClient(WorkerClient):
         # Longest run of committed tokens one round sends while batching (see verify).
         self.prefill_chunk = prefill_chunk
         self.costs: dict[str, StepCostModel] = {}
-        # The draft head the target workers run next to the target (WorkerInfo.head; "": none).
+        # The draft head the target workers run next to the target (WorkerInfo.head; "": none):
+        # as the first replica reported it, and per replica address as each joined.
         self.head = ""
+        self.heads: dict[str, str] = {}
+
+    def runs_head(self, session: WorkerSession) -> bool:
+        """Whether the replica serving the session drafts with a head of its own."""
+        if session.replica is not None and session.replica in self.heads:
+            return bool(self.heads[session.replica])
+        return bool(self.head)
 
     async def _send_batch(self, stub, requests: list, timeout_s: float):
         return await stub.VerifyBatch(target_pb2.VerifyBatchRequest(rounds=requests), timeout=timeout_s)

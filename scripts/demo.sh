@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job: set up, start all three services with the default models (target
-# SmolLM2-135M-Instruct, n-gram drafter), stream one completion, stop the services.
+# SmolLM2-135M-Instruct, with the draft head trained for it in drafts/), stream one
+# completion, stop the services.
 #   ./scripts/demo.sh ["your prompt"]
 set -euo pipefail
 cd "$(dirname "$0")/.."

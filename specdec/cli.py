@@ -251,7 +251,7 @@ async def _run_up(args) -> int:
         return config
 
     # A feature-level head runs next to the target (target_worker.head): it reads the
-    # states the verification computes and drafts in the same step, with no draft worker.
+    # states the verification computes and drafts in the same step.
     head = args.draft if args.draft not in (NGRAM, NO_DRAFT) and is_eagle_dir(args.draft) else None
     target_config = worker_config(args.target)
     target_config.head = head
@@ -261,16 +261,19 @@ async def _run_up(args) -> int:
     servers = [target]
     draft_addr = child = None
     try:
-        if args.draft == NGRAM:  # n-gram: no model, nothing to contend
-            draft = await draft_service.serve(worker_config(args.draft))
+        # n-gram: no model, nothing to contend. Beside a head on the target it is the draft
+        # worker for rounds on a target replica that runs no head.
+        draft_model = NGRAM if head is not None else args.draft
+        if draft_model == NGRAM:
+            draft = await draft_service.serve(worker_config(NGRAM))
             servers.insert(0, draft)
             draft_addr = draft.address
-        elif args.draft != NO_DRAFT and head is None:
+        elif draft_model != NO_DRAFT:
             # A model draft runs in a process of its own, as in a deployment: its torch
             # threads in this process measured verification rounds ~1.8x slower here.
             child, draft_addr = await _spawn_draft(args, cert_dir, certs["ca"])
         if draft_addr is not None:
-            print(f"draft worker   ({args.draft}) listening on {draft_addr}", flush=True)
+            print(f"draft worker   ({draft_model}) listening on {draft_addr}", flush=True)
         config = _coordinator_config(args, target.address, draft_addr, args.target, coordinator_tls)
         coordinator = await coordinator_service.serve(config)
         print(f"coordinator    listening on {coordinator.address} (k={args.k}); Ctrl-C stops", flush=True)

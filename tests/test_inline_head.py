@@ -148,3 +148,35 @@ def test_a_head_for_another_target_is_refused_at_start(target, tokenizer):
 
     with pytest.raises(FailedPrecondition, match="width 32"):
         run(scenario())
+
+
+def test_the_draft_worker_drafts_only_for_a_target_replica_without_a_head(target, tokenizer):
+    head = make_head(target)
+    prompt = PROMPTS[1]
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft="ngram", target_head=head, target_options=ALWAYS) as stack:
+            proposer = stack.draft_servicer.proposer
+            calls = []
+            original = proposer.propose_batch
+
+            def propose_batch(*args, **kwargs):
+                calls.append(1)
+                return original(*args, **kwargs)
+
+            proposer.propose_batch = propose_batch
+            runner = stack.coordinator_servicer.runner
+            async with Client(stack.address) as client:
+                with_head = await client.complete(make_request(prompt, max_new_tokens=MAX_NEW, k=4))
+                asked_with_head = len(calls)
+                # The replica now reports no head (a pod rolled back to one without it).
+                for address in list(runner.target.heads):
+                    runner.target.heads[address] = ""
+                without = await client.complete(make_request(prompt, max_new_tokens=MAX_NEW, k=4))
+            return with_head, asked_with_head, without, len(calls)
+
+    with_head, asked_with_head, without, asked = run(scenario())
+    reference = reference_greedy(target, distill.chat_ids(tokenizer, prompt), MAX_NEW)
+    assert with_head.token_ids == reference and without.token_ids == reference
+    assert with_head.stats["proposed"] > 0 and asked_with_head == 0
+    assert asked > 0
