@@ -857,10 +857,11 @@ def _write_model_card(out_dir: Path, record: dict) -> None:
     student = record["student"]
     if record.get("kind") == EAGLE:
         about = ("A feature-level draft head (specdec.eagle, in the style of EAGLE): one decoder layer that reads "
-                 "the target's hidden states, which the target worker returns with each verdict, and proposes "
-                 "through the target's own embeddings and LM-head rows (loaded from the target, not stored here). "
-                 "Trained by self-distillation on text the target generated. Use it with `specdec up --draft DIR` "
-                 "or `specdec serve draft --model DIR`; not a Hugging Face model.")
+                 "the target's hidden states and proposes through the target's own embeddings and LM-head rows "
+                 "(loaded from the target, not stored here). Trained by self-distillation on text the target "
+                 "generated. Use it with `specdec up --draft DIR` or `specdec serve target --head DIR` (the target "
+                 "worker runs it next to the target), or `specdec serve draft --model DIR`; not a Hugging Face "
+                 "model.")
         shape = (f"1 decoder layer, hidden {student['hidden']}, MLP {student['intermediate']}, draft vocabulary "
                  f"{student['draft_vocab']} tokens ({record['data'].get('draft_vocab_coverage_heldout', 0):.3f} of "
                  f"held-out greedy tokens), {student['parameters'] / 1e6:.1f}M trained parameters, bfloat16 "

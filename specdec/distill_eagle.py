@@ -188,6 +188,6 @@ def measure_cost_ratio(target, head: eagle.EagleHead, context: list[int]) -> dic
     from specdec.cpu_fast import serving_lm
 
     target_s = measure_target(serving_lm(target), context, 1).target_step_s
-    draft_s = measure_head(head, context)
+    draft_s = measure_head(eagle.fast_cpu_head(head), context)  # as the workers serve it
     return {"context_tokens": len(context), "target_step_s": target_s, "draft_step_s": draft_s,
             "c": draft_s / target_s}
