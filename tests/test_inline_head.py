@@ -150,7 +150,11 @@ def test_a_head_for_another_target_is_refused_at_start(target, tokenizer):
         run(scenario())
 
 
-def test_the_draft_worker_drafts_only_for_a_target_replica_without_a_head(target, tokenizer):
+def test_the_draft_worker_drafts_only_for_a_target_replica_without_a_head(target, tokenizer, monkeypatch):
+    from coordinator.adaptive import AdaptiveK
+
+    # Draft every round: whether the adaptive controller would pause depends on measured times.
+    monkeypatch.setattr(AdaptiveK, "next_k", lambda self, *args: self.k_max)
     head = make_head(target)
     prompt = PROMPTS[1]
 
