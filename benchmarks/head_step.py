@@ -59,7 +59,7 @@ def chains(head, examples, index_of, k: int) -> list[tuple[int, int, list, list]
     out = []
     for start in range(0, len(examples), 16):
         chunk = examples[start:start + 16]
-        batch = collate(chunk, 0, index_of)
+        batch = collate(chunk, 0, index_of, head.config.hidden_size)
         steps = [torch.softmax(head.logits(o.float()), -1).max(-1) for o in head.unrolled(batch.tokens,
                                                                                            batch.features_in, k)]
         for b, e in enumerate(chunk):
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
     if (work / "data").is_dir():
         from specdec.distill_eagle import load_examples
 
-        examples = load_examples(work, "heldout")
+        examples = load_examples(work, "heldout", tuple(plain.config.aux_layers))
         index_of = torch.full((int(plain.embed.shape[0]),), -1, dtype=torch.long)
         index_of[plain.draft_vocab] = torch.arange(len(plain.draft_vocab))
         reference = chains(plain, examples, index_of, CHAIN_K)

@@ -13,7 +13,7 @@ from draft_worker.propose import Proposer, Request
 from specdec import logs, metrics
 from specdec.config import WorkerConfig
 from specdec.cpu_fast import serving_lm
-from specdec.errors import InvalidArgument
+from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec import eagle
 from specdec.eagle import is_eagle_dir
 from specdec.models import NGRAM, load_model, vocab_hash
@@ -100,6 +100,11 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> DraftWor
             # A head reads the target's embeddings: loading it loads them (by its config's
             # target spec), and the target's tokenizer is the one it shares.
             head = model if model is not None else eagle.load(config.model)
+            if head.config.aux_layers:
+                raise FailedPrecondition(
+                    f"{config.model!r} reads the target's layers {head.config.aux_layers} besides its final hidden "
+                    "states, which only the target worker has: run it there (specdec serve target --head, "
+                    "specdec up --draft HEAD)")
             loaded_tokenizer = tokenizer if tokenizer is not None else load_tokenizer(head.config.target)
             info = common_pb2.WorkerInfo(model=config.model, feature_size=head.config.hidden_size,
                                          model_vocab_size=int(head.embed.shape[0]),

@@ -163,6 +163,10 @@ class DistillConfig:
     """--kind eagle: drafting steps unrolled per training step (training-time test)."""
     feature_weight: float = 1.0
     """--kind eagle: weight of the feature regression (smooth L1) beside the token losses."""
+    aux_layers: tuple[int, ...] = ()
+    """--kind eagle: target decoder layers (0-based) whose states the head also reads."""
+    init_from: Path | None = None
+    """--kind eagle: a head directory whose weights start training (those it has)."""
 
     @property
     def work(self) -> Path:
@@ -701,7 +705,7 @@ def train(config: DistillConfig, student, train_set: list, heldout: list, pad_id
     if checkpoint_path.exists():
         saved = torch.load(checkpoint_path, weights_only=False)
         wanted = _student_shape(student)
-        shape = {k: saved["student_config"].get(k) for k in wanted}
+        shape = {k: saved["student_config"].get(k, [] if k == "aux_layers" else None) for k in wanted}
         if shape != wanted:
             raise ValueError(f"--resume: the checkpoint's draft is {shape}, the flags ask for {wanted}")
         student.load_state_dict(saved["model"])
@@ -742,7 +746,8 @@ def train(config: DistillConfig, student, train_set: list, heldout: list, pad_id
             if eagle_kind:
                 from specdec import distill_eagle
 
-                batch = distill_eagle.collate([train_set[i] for i in picked], pad_id, index_of)
+                batch = distill_eagle.collate([train_set[i] for i in picked], pad_id, index_of,
+                                              student.config.hidden_size)
                 loss, parts = distill_eagle.step_loss(student, batch, config.unroll, config.hard_weight,
                                                       config.feature_weight, config.bf16)
             else:
@@ -929,6 +934,8 @@ def run(config: DistillConfig) -> dict:
 
     if config.steps is None and config.max_minutes is None:
         raise ValueError("bound the training: give --steps, --max-minutes, or both")
+    if config.kind != EAGLE and (config.aux_layers or config.init_from is not None):
+        raise ValueError("--aux-layers and --init-from apply to --kind eagle only")
     torch.set_num_threads(config.threads)
     began = time.monotonic()
     end = began + config.max_minutes * 60 if config.max_minutes else math.inf
@@ -992,8 +999,12 @@ def _run_eagle(config: DistillConfig, target, tokenizer, data: dict, began: floa
     from specdec.models import eos_token_ids
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    train_set = distill_eagle.load_examples(config.work, TRAIN)
-    heldout = distill_eagle.load_examples(config.work, HELDOUT)
+    aux_layers = tuple(config.aux_layers)
+    if aux_layers:
+        eagle.new_config(target, config.target, 1, aux_layers=aux_layers)  # refuses layers the target lacks
+        data["aux_positions_computed"] = distill_eagle.extract_aux(config.work, target, aux_layers, end)
+    train_set = distill_eagle.load_examples(config.work, TRAIN, aux_layers)
+    heldout = distill_eagle.load_examples(config.work, HELDOUT, aux_layers)
     if not train_set:
         raise ValueError("no training data: the data budget ended before the first training shard")
     vocab_size = int(target.get_output_embeddings().weight.shape[0])
@@ -1014,7 +1025,11 @@ def _run_eagle(config: DistillConfig, target, tokenizer, data: dict, began: floa
     log.info("data: %d training sequences (%d answer positions), %d held-out; draft vocabulary %d tokens covers "
              "%.3f of the held-out greedy tokens", len(train_set), data["train_positions"], len(heldout),
              len(draft_vocab), data["draft_vocab_coverage_heldout"])
-    head = eagle.build(eagle.new_config(target, config.target, len(draft_vocab)), target, draft_vocab)
+    head = eagle.build(eagle.new_config(target, config.target, len(draft_vocab), aux_layers=aux_layers), target,
+                       draft_vocab)
+    if config.init_from is not None and not (config.work / "checkpoint.pt").exists():
+        eagle.warm_start(head, config.init_from)
+        log.info("starting from the weights of %s", config.init_from)
     state = train(config, head, train_set, heldout, pad_id, end - FINAL_RESERVE_S, index_of=index_of)
 
     out_dir = config.out_dir
@@ -1043,6 +1058,7 @@ def _run_eagle(config: DistillConfig, target, tokenizer, data: dict, began: floa
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
         "student": {"layers": 1, "hidden": served.config.hidden_size, "intermediate": served.config.intermediate_size,
                     "draft_vocab": len(draft_vocab), "parameters": trainable, "dir_mb": _dir_mb(out_dir),
+                    "aux_layers": list(served.config.aux_layers),
                     "feature_bytes_per_token": served.config.hidden_size * eagle.FEATURE_BYTES},
         "data": data,
         "training": {"steps": state.step, "epochs": state.epoch + state.cursor / len(train_set),
@@ -1135,6 +1151,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="eagle: drafting steps unrolled in training (default %(default)s)")
     parser.add_argument("--feature-weight", type=float, default=d.feature_weight,
                         help="eagle: weight of the feature regression loss (default %(default)s)")
+    parser.add_argument("--aux-layers", type=_layer_list, default=(),
+                        help="eagle: target decoder layers (0-based, comma-separated) whose outputs the head reads "
+                             "beside the final hidden states, e.g. 1,14 (EAGLE-3's low/mid-level features; "
+                             "the head then runs on the target worker only)")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="eagle: start from this head directory's weights (a warm start; parameters it lacks, "
+                             "such as new aux layers' projection, start as usual)")
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(sorted({int(part) for part in text.split(",") if part.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated layer indices, e.g. 1,14") from None
+    if any(i < 0 for i in layers):
+        raise argparse.ArgumentTypeError(f"{text!r}: layer indices count from 0")
+    return layers
 
 
 def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) -> DistillConfig:
@@ -1151,5 +1184,5 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
         log_every=args.log_every, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
         max_minutes=args.max_minutes, threads=args.threads, seed=args.seed, progress=not args.no_progress,
         command=command, kind=args.kind, draft_vocab=args.draft_vocab, unroll=args.unroll,
-        feature_weight=args.feature_weight,
+        feature_weight=args.feature_weight, aux_layers=args.aux_layers, init_from=args.init_from,
     )

@@ -33,22 +33,108 @@ class EagleExample:
     prompt_len: int
     topk_ids: torch.Tensor  # [answer, K] int64 (target ids)
     topk_logprobs: torch.Tensor  # [answer, K] float32
-    features: torch.Tensor  # [L - 1, H] float16: features[p] is the target's f_p
+    features: torch.Tensor  # [L - 1, F] float16: features[p] is the target's f_p (then aux states, F = feature_size)
 
 
-def load_examples(work: Path, split: str) -> list[EagleExample]:
+def load_examples(work: Path, split: str, aux_layers: tuple[int, ...] = ()) -> list[EagleExample]:
+    """A split's sequences; with aux_layers, each one's features carry those layers' states
+    after the final ones ([L - 1, H·(1 + len(aux_layers))], from extract_aux)."""
     examples = []
     for path in sorted((work / "data").glob(f"*-{split}-s*.pt")):
         shard = torch.load(path, weights_only=True)
         if shard.get("features") is None:
             raise ValueError(f"{path} has no target features: its data was generated for --kind model "
                              "(use another --work for --kind eagle)")
+        features = shard["features"]
+        if aux_layers:
+            aux = torch.load(aux_path(work, path, aux_layers), weights_only=True)
+            features = [torch.cat([f, a], -1) for f, a in zip(features, aux)]
         for prompt, answer, ids, logprobs, feats in zip(shard["prompts"], shard["answers"], shard["topk_ids"],
-                                                        shard["topk_logprobs"], shard["features"]):
+                                                        shard["topk_logprobs"], features):
             if answer:
                 examples.append(EagleExample(torch.tensor(prompt + answer), len(prompt), ids.long(), logprobs.float(),
                                              feats))
     return examples
+
+
+def aux_path(work: Path, shard_path: Path, aux_layers: tuple[int, ...]) -> Path:
+    return work / ("aux-" + "-".join(map(str, aux_layers))) / shard_path.name
+
+
+class _Enough(Exception):
+    """Stops a forward pass once the deepest wanted layer has run."""
+
+
+AUX_BATCH = 8  # sequences per teacher-forced pass
+
+
+@torch.inference_mode()
+def aux_states(model, sequences: list[list[int]], aux_layers: tuple[int, ...]) -> list[torch.Tensor]:
+    """The residual stream after decoder layers `aux_layers` (0-based) at every position of
+    each sequence, teacher-forced: [len(seq), H·len(aux_layers)] float16 each. Runs only the
+    layers up to the deepest one asked for."""
+    layers = model.model.layers
+    captured: dict[int, torch.Tensor] = {}
+    deepest = max(aux_layers)
+
+    def hook(index):
+        def capture(module, args, output):
+            captured[index] = output[0] if isinstance(output, tuple) else output
+            if index == deepest:
+                raise _Enough
+        return capture
+
+    handles = [layers[i].register_forward_hook(hook(i)) for i in aux_layers]
+    out: list[torch.Tensor] = []
+    try:
+        for start in range(0, len(sequences), AUX_BATCH):
+            batch = sequences[start:start + AUX_BATCH]
+            length = max(len(s) for s in batch)
+            ids = torch.zeros((len(batch), length), dtype=torch.long)  # right-padded
+            mask = torch.zeros_like(ids)
+            for row, seq in enumerate(batch):
+                ids[row, :len(seq)] = torch.tensor(seq)
+                mask[row, :len(seq)] = 1
+            try:
+                model.model(input_ids=ids, attention_mask=mask, use_cache=False)
+            except _Enough:
+                pass
+            states = torch.cat([captured[i] for i in aux_layers], -1)  # [b, length, H·a]
+            out.extend(states[row, :len(seq)].to(eagle.FEATURE_DTYPE).clone() for row, seq in enumerate(batch))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return out
+
+
+def extract_aux(work: Path, target, aux_layers: tuple[int, ...], deadline: float, progress: bool = False) -> int:
+    """Adds the aux layers' states of every stored sequence's fed positions (prompt + answer
+    but the last token), teacher-forced, one file per data shard (resumable). Returns the
+    positions computed. Teacher forcing gives the states generation saw: the stored final
+    features agree with a teacher-forced pass to ~2e-4 relative (float rounding)."""
+    import time
+
+    from specdec.cpu_fast import agrees, fast_cpu_model
+    from specdec.distill import _atomic_save
+
+    fast = fast_cpu_model(target)
+    model = fast if fast is not target and agrees(target, fast) else target
+    shards = sorted((work / "data").glob("*-s*.pt"))
+    todo = [p for p in shards if not aux_path(work, p, aux_layers).exists()]
+    aux_path(work, shards[0], aux_layers).parent.mkdir(parents=True, exist_ok=True) if shards else None
+    done = 0
+    for path in todo:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"aux features: {len(todo)} shards left when the time budget ended (rerun with --resume)")
+        began = time.monotonic()
+        shard = torch.load(path, weights_only=True)
+        sequences = [(p + a)[:-1] for p, a in zip(shard["prompts"], shard["answers"])]
+        states = aux_states(model, sequences, aux_layers)
+        _atomic_save(states, aux_path(work, path, aux_layers))
+        n = sum(len(s) for s in sequences)
+        done += n
+        log.info("aux features of %s: %d positions in %.1f s", path.name, n, time.monotonic() - began)
+    return done
 
 
 def choose_vocab(examples: list[EagleExample], size: int, always: list[int], vocab_size: int) -> torch.Tensor:
@@ -81,7 +167,7 @@ def vocab_coverage(examples: list[EagleExample], draft_vocab: torch.Tensor, voca
 @dataclass
 class EagleBatch:
     tokens: torch.Tensor  # [B, T]
-    features_in: torch.Tensor  # [B, T, H]: f_{t-1}, zeros at t = 0 and on padding
+    features_in: torch.Tensor  # [B, T, F]: f_{t-1} (and the aux layers' states), zeros at t = 0 and on padding
     features_out: torch.Tensor  # [B, T, H]: f_t
     reg_mask: torch.Tensor  # [B, T] bool: f_t is known
     rows: torch.Tensor  # [N] flat B*T indices of answer-predicting positions
@@ -91,13 +177,14 @@ class EagleBatch:
     teacher_neg_entropy: torch.Tensor  # [N]
 
 
-def collate(examples: list[EagleExample], pad_id: int, index_of: torch.Tensor) -> EagleBatch:
-    """index_of [V]: draft-vocab index of each target id, -1 outside."""
+def collate(examples: list[EagleExample], pad_id: int, index_of: torch.Tensor, hidden: int) -> EagleBatch:
+    """index_of [V]: draft-vocab index of each target id, -1 outside; hidden: the target's
+    hidden size (the final features' width, what the head predicts)."""
     length = max(len(e.tokens) for e in examples)
-    hidden = examples[0].features.shape[-1]
+    width = examples[0].features.shape[-1]
     b = len(examples)
     tokens = torch.full((b, length), pad_id, dtype=torch.long)
-    f_in = torch.zeros((b, length, hidden), dtype=torch.float32)
+    f_in = torch.zeros((b, length, width), dtype=torch.float32)
     f_out = torch.zeros((b, length, hidden), dtype=torch.float32)
     reg = torch.zeros((b, length), dtype=torch.bool)
     rows = []
@@ -105,7 +192,7 @@ def collate(examples: list[EagleExample], pad_id: int, index_of: torch.Tensor) -
         n = len(e.tokens)
         tokens[i, :n] = e.tokens
         f_in[i, 1:n] = e.features.float()
-        f_out[i, :n - 1] = e.features.float()
+        f_out[i, :n - 1] = e.features[:, :hidden].float()
         reg[i, :n - 1] = True
         start = i * length + e.prompt_len - 1
         rows.append(torch.arange(start, start + len(e.topk_ids)))
@@ -161,7 +248,7 @@ def evaluate(head: eagle.EagleHead, examples: list[EagleExample], pad_id: int, i
     agreed = total = rounds = proposed = accepted = 0
     for start in range(0, len(examples), batch_size):
         chunk = examples[start:start + batch_size]
-        batch = collate(chunk, pad_id, index_of)
+        batch = collate(chunk, pad_id, index_of, head.config.hidden_size)
         outputs = head.unrolled(batch.tokens, batch.features_in, k)
         # predicted[s][b, t]: step s+1's token at position t (a target id)
         predicted = [head.draft_vocab[head.logits(o.float()).argmax(-1)] for o in outputs]

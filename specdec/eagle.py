@@ -17,6 +17,11 @@ Training unrolls those steps ("training-time test"): step s at position t reads 
 prediction of step s-1 at t-1 and attends to the true-feature entries at positions ≤ t-s+1
 plus its own chain's entries at t-s+2 … t, exactly the cache it will see when serving.
 
+With `aux_layers` (EAGLE-3's feature fusion), committed positions also bring the residual
+stream after some of the target's middle layers, concatenated after f: what the context is
+about, which the final state (tuned to the very next token) has partly let go of. Those
+states exist only inside the target's forward pass, so such a head runs on the target worker.
+
 Costs on the target's side: nothing extra to compute. Where it runs: next to the target, in
 the target worker (target_worker.head: `specdec up --draft HEAD`, `specdec serve target
 --head`), it reads the states the verification has just computed and drafts in the same
@@ -35,7 +40,7 @@ from __future__ import annotations
 import copy
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -61,6 +66,16 @@ class EagleConfig:
     max_position_embeddings: int
     draft_vocab_size: int
     specdec_draft: str = KIND
+    # Target decoder layers (0-based) whose outputs (the residual stream after the layer) the
+    # head reads beside the final features, at committed positions (EAGLE-3's low/mid-level
+    # features); empty: the final features only.
+    aux_layers: list[int] = field(default_factory=list)
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the target features the head is fed at committed positions: the final
+        hidden state, then each aux layer's."""
+        return self.hidden_size * (1 + len(self.aux_layers))
 
     def save(self, directory: Path) -> None:
         (directory / CONFIG_NAME).write_text(json.dumps(asdict(self), indent=1) + "\n")
@@ -113,9 +128,33 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, inv: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+class AuxNorm(torch.nn.Module):
+    """RMS norm of each of `count` concatenated [H] states (layers' residual streams differ
+    in scale by orders of magnitude), with a learned gain per layer."""
+
+    def __init__(self, count: int, size: int, eps: float):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(count, size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., count·H] -> same
+        dtype = x.dtype
+        y = x.float().unflatten(-1, self.weight.shape)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * y).flatten(-2).to(dtype)
+
+
 class EagleHead(torch.nn.Module):
-    """fc(concat(feature, embedding)) -> one pre-norm decoder layer -> norm -> predicted
-    feature; logits over the draft vocabulary through the target's LM-head rows.
+    """fc(concat(feature, embedding)) [+ aux_fc(aux_norm(aux features))] -> one pre-norm
+    decoder layer -> norm -> predicted feature; logits over the draft vocabulary through the
+    target's LM-head rows.
+
+    With `aux_layers`, committed positions also bring the residual stream after those target
+    layers (EAGLE-3, arXiv:2503.01840, fuses low, mid and high-level states): the final state
+    is tuned to the next token, and the middle of the network still holds what the context is
+    about, which the token after next depends on. The head's own predictions (later chain
+    steps) have no such states and are fed without the term. aux_fc starts at zero, so a head
+    with aux layers starts as the same head without them (a warm start from one).
 
     `embed` [V, H] and `head` [Vd, H] are the target's (frozen buffers, never saved with the
     head); `draft_vocab` [Vd] maps head rows to target token ids."""
@@ -125,6 +164,10 @@ class EagleHead(torch.nn.Module):
         self.config = config
         h, d = config.hidden_size, config.head_dim
         self.fc = torch.nn.Linear(2 * h, h, bias=False)
+        if config.aux_layers:
+            self.aux_norm = AuxNorm(len(config.aux_layers), h, config.rms_norm_eps)
+            self.aux_fc = torch.nn.Linear(len(config.aux_layers) * h, h, bias=False)
+            torch.nn.init.zeros_(self.aux_fc.weight)
         self.input_norm = RMSNorm(h, config.rms_norm_eps)
         self.q = torch.nn.Linear(h, config.num_heads * d, bias=False)
         self.k = torch.nn.Linear(h, config.num_kv_heads * d, bias=False)
@@ -144,9 +187,14 @@ class EagleHead(torch.nn.Module):
     # -- pieces shared by training and serving -------------------------------------------
 
     def inputs(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """[..., H] features and [...] token ids -> the layer's residual input [..., H]."""
-        x = torch.cat([features.to(self.fc.weight.dtype), self.embed[tokens].to(self.fc.weight.dtype)], -1)
-        return self.fc(x)
+        """[..., H] features (the head's own predictions) or [..., config.feature_size] (the
+        target's, with the aux layers' states) and [...] token ids -> the layer's residual
+        input [..., H]."""
+        h, dtype = self.config.hidden_size, self.fc.weight.dtype
+        x = self.fc(torch.cat([features[..., :h].to(dtype), self.embed[tokens].to(dtype)], -1))
+        if features.shape[-1] > h:
+            x = x + self.aux_fc(self.aux_norm(features[..., h:].to(dtype)))
+        return x
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """x [B, n, H] -> q [B, heads, n, d], k, v [B, kv_heads, n, d], rotated."""
@@ -176,11 +224,11 @@ class EagleHead(torch.nn.Module):
     # -- training: the unrolled chain ------------------------------------------------------
 
     def unrolled(self, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
-        """Training-time test over whole sequences. tokens [B, T]; features [B, T, H] where
-        features[:, t] is the target's f_{t-1} (zeros at t = 0). Returns per step s = 1..steps
+        """Training-time test over whole sequences. tokens [B, T]; features [B, T, feature_size]
+        where features[:, t] is the target's f_{t-1} (zeros at t = 0). Returns per step s = 1..steps
         the predicted features [B, T, H]: at position t, step s's prediction of f_t when the
         features of positions t-s+1 … t-1 are the head's own (steps 1 … s-1)."""
-        b, t, _ = features.shape
+        t = features.shape[1]
         positions = torch.arange(t, device=tokens.device)
         keys, values, outputs = [], [], []
         feed = features
@@ -209,8 +257,8 @@ class EagleHead(torch.nn.Module):
 
     @torch.inference_mode()
     def extend(self, cache: HeadCache, features: torch.Tensor, tokens: list[int]) -> torch.Tensor:
-        """Feeds n positions (features [n, H] of the positions before them, tokens) on top of
-        the cache; returns the predicted features [n, H]."""
+        """Feeds n positions (features [n, H] or [n, feature_size] of the positions before
+        them, tokens) on top of the cache; returns the predicted features [n, H]."""
         n = len(tokens)
         start = cache.length
         positions = torch.arange(start, start + n)
@@ -305,7 +353,7 @@ def fast_cpu_head(head: EagleHead, dtype: torch.dtype | None = None) -> EagleHea
         return head
     fast = copy.copy(head)
     fast._modules = dict(head._modules)
-    for name in LINEARS:
+    for name in LINEARS + (("aux_fc",) if head.config.aux_layers else ()):
         fast._modules[name] = PackedHeadLinear(getattr(head, name).weight, dtype)
     fast.lm_head = PackedHeadLinear(head.head, dtype)
     warm_up(fast)
@@ -322,11 +370,11 @@ WARM_ROWS = 64
 def warm_up(head: EagleHead, rows: int = WARM_ROWS) -> None:
     """Runs every feed size 1 … rows once on a scratch cache (and the LM head on one row)."""
     cache = HeadCache(head.config.num_kv_heads, head.config.head_dim, torch.float32)
-    zeros = torch.zeros((rows, head.config.hidden_size))
+    zeros = torch.zeros((rows, head.config.feature_size))
     for n in range(1, rows + 1):
         head.extend(cache, zeros[:n], [0] * n)
         cache.crop(0)
-    head.logits(zeros[0])
+    head.logits(zeros[0, :head.config.hidden_size])
 
 
 def target_parts(target) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,12 +384,17 @@ def target_parts(target) -> tuple[torch.Tensor, torch.Tensor]:
     return embed, head
 
 
-def new_config(target, target_spec: str, draft_vocab_size: int, intermediate: int | None = None) -> EagleConfig:
+def new_config(target, target_spec: str, draft_vocab_size: int, intermediate: int | None = None,
+               aux_layers: tuple[int, ...] = ()) -> EagleConfig:
     """A head shaped like one of the target's own decoder layers."""
     text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
     heads = int(text.num_attention_heads)
     rope = getattr(text, "rope_parameters", None) or {}
     theta = float(rope.get("rope_theta", getattr(text, "rope_theta", 10000.0)))
+    layers = int(getattr(text, "num_hidden_layers", 0) or 0)
+    bad = [i for i in aux_layers if not 0 <= i < layers]
+    if bad:
+        raise ValueError(f"aux layers {bad} are not layers of the target (0 … {layers - 1})")
     return EagleConfig(
         target=target_spec, hidden_size=int(text.hidden_size), num_heads=heads,
         num_kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
@@ -349,7 +402,7 @@ def new_config(target, target_spec: str, draft_vocab_size: int, intermediate: in
         intermediate_size=int(intermediate or text.intermediate_size), rope_theta=theta,
         rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-5)),
         max_position_embeddings=int(getattr(text, "max_position_embeddings", 0) or 2048),
-        draft_vocab_size=draft_vocab_size)
+        draft_vocab_size=draft_vocab_size, aux_layers=sorted(set(aux_layers)))
 
 
 def build(config: EagleConfig, target, draft_vocab: torch.Tensor) -> EagleHead:
@@ -365,6 +418,30 @@ def save(head: EagleHead, directory: Path, dtype: torch.dtype = torch.bfloat16) 
     tensors = {name: p.detach().to(dtype).contiguous() for name, p in head.named_parameters()}
     tensors["draft_vocab"] = head.draft_vocab.to(torch.int32).contiguous()
     save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "specdec_draft": KIND})
+
+
+def warm_start(head: EagleHead, directory: str | Path) -> list[str]:
+    """Copies into `head` the weights of the head saved in `directory` that it has with the
+    same shape (same target and draft vocabulary required); returns the names it lacked."""
+    from safetensors.torch import load_file
+
+    from specdec.models import local_path
+
+    directory = local_path(str(directory))
+    config = EagleConfig.load(directory)
+    tensors = load_file(str(directory / WEIGHTS_NAME))
+    mine = head.config
+    if (config.hidden_size, config.draft_vocab_size) != (mine.hidden_size, mine.draft_vocab_size) or \
+            not torch.equal(tensors.pop("draft_vocab").long(), head.draft_vocab):
+        raise ValueError(f"{directory} is a head of another shape or draft vocabulary: cannot start from it")
+    own = dict(head.named_parameters())
+    wrong = [k for k, v in tensors.items() if k not in own or own[k].shape != v.shape]
+    if wrong:
+        raise ValueError(f"{directory}: {wrong} do not fit this head")
+    with torch.no_grad():
+        for name, value in tensors.items():
+            own[name].copy_(value.to(own[name].dtype))
+    return sorted(set(own) - set(tensors))
 
 
 def load(directory: str | Path, target=None, dtype: torch.dtype = torch.float32) -> EagleHead:

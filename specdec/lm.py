@@ -82,19 +82,41 @@ class CausalLM:
         cfg = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         return int(cfg.hidden_size)
 
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers of the model (what `aux_layers` may name)."""
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        return len(layers) if layers is not None else 0
+
     @contextmanager
-    def _capturing_features(self):
+    def _capturing_features(self, aux_layers: tuple[int, ...] = ()):
         """Collects the output of the model's final norm (the hidden states its LM head
-        reads) for every position of the forward passes run inside."""
-        norm = getattr(getattr(self.model, "model", None), "norm", None)
+        reads) for every position of the forward passes run inside, followed on the last
+        dimension by the outputs of decoder layers `aux_layers` (the residual stream after
+        each): one [batch, n, H·(1 + len(aux_layers))] tensor per forward pass."""
+        inner = getattr(self.model, "model", None)
+        norm = getattr(inner, "norm", None)
         if norm is None:
             raise ValueError(f"{type(self.model).__name__} has no model.norm to read features from")
         captured: list[torch.Tensor] = []
-        handle = norm.register_forward_hook(lambda module, args, output: captured.append(output))
+        layer_states: dict[int, torch.Tensor] = {}
+
+        def keep_layer(index):
+            def hook(module, args, output):
+                layer_states[index] = output[0] if isinstance(output, tuple) else output
+            return hook
+
+        def keep_final(module, args, output):
+            captured.append(torch.cat([output] + [layer_states.pop(i) for i in aux_layers], -1)
+                            if aux_layers else output)
+
+        handles = [inner.layers[i].register_forward_hook(keep_layer(i)) for i in aux_layers]
+        handles.append(norm.register_forward_hook(keep_final))
         try:
             yield captured
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
 
     @torch.inference_mode()
     def feed(self, session: Session, tokens: list[int], logits_to_keep: int) -> torch.Tensor:
@@ -128,14 +150,15 @@ class CausalLM:
 
     @torch.inference_mode()
     def feed_batch(self, sessions: list[Session], token_lists: list[list[int]], logits_to_keep: list[int],
-                   features: bool = False):
+                   features: bool = False, aux_layers: tuple[int, ...] = ()):
         """feed() for many sessions at once: ONE forward pass over all their new tokens when
         the model allows it (specdec.ragged), else one pass per session. Returns per session
         the logits of its last logits_to_keep[i] positions, [logits_to_keep[i], V]; with
         features=True, (those logits, per session the final hidden states of every fed
-        position, [len(token_lists[i]), H])."""
+        position, [len(token_lists[i]), H], then the states after decoder layers aux_layers:
+        [len(token_lists[i]), H·(1 + len(aux_layers))])."""
         if features:
-            with self._capturing_features() as captured:
+            with self._capturing_features(tuple(aux_layers)) as captured:
                 logits = self.feed_batch(sessions, token_lists, logits_to_keep)
             hidden = torch.cat([c[0] for c in captured], 0)  # [Σ n, H]: one pass, or one per session
             return logits, list(torch.split(hidden, [len(t) for t in token_lists]))

@@ -35,18 +35,20 @@ from specdec.sessions import Resync, Session, SyncedContext, common_prefix_len
 class HeadState:
     session: Session  # the head's own cache and fed ids
     start: int  # position of rows[0]
-    rows: torch.Tensor  # [n, H] float16 features of committed positions start … not yet fed
+    rows: torch.Tensor  # [n, F] float16 features of committed positions start … not yet fed (F: feature_size)
 
 
 class InlineHead:
     def __init__(self, drafter: EagleDrafter):
         self.drafter = drafter
         self.name = drafter.name
-        self.feature_size = drafter.feature_size
+        self.hidden_size = drafter.head.config.hidden_size  # the target's, which the head predicts
+        self.aux_layers = tuple(drafter.head.config.aux_layers)  # target layers it also reads
+        self.feature_size = drafter.feature_size  # what record() takes per position
         self.bytes_per_token = drafter.bytes_per_token + 2 * drafter.feature_size
 
     def record(self, session: Session, start: int, rows: torch.Tensor) -> None:
-        """The target computed these features (float16 [n, H]) of committed positions
+        """The target computed these features (float16 [n, feature_size]) of committed positions
         start … start + n - 1."""
         if not len(rows):
             return

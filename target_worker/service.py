@@ -109,10 +109,14 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None, head=None) 
     info.feature_size = lm.feature_size
     bytes_per_token = lm.bytes_per_token
     if inline is not None:
-        if inline.feature_size != lm.feature_size:
-            raise FailedPrecondition(f"head {inline.name!r} reads features of width {inline.feature_size}, but "
+        if inline.hidden_size != lm.feature_size:
+            raise FailedPrecondition(f"head {inline.name!r} reads features of width {inline.hidden_size}, but "
                                      f"target {config.model!r} has width {lm.feature_size}: it was trained for "
                                      "another target")
+        missing = [i for i in inline.aux_layers if i >= lm.num_layers]
+        if missing:
+            raise FailedPrecondition(f"head {inline.name!r} reads the outputs of layers {missing}, but target "
+                                     f"{config.model!r} has {lm.num_layers} layers: it was trained for another target")
         info.head = inline.name
         bytes_per_token += inline.bytes_per_token
     store = SessionStore(config.max_sessions, config.max_cache_bytes, bytes_per_token)

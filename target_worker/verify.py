@@ -111,7 +111,8 @@ class Verifier:
                 sessions, fed = [synced.session for _, synced, _ in ready], [fed for _, _, fed in ready]
                 keep = [len(rounds[i].drafts) + 1 for i, _, _ in ready]
                 if self.head is not None or any(rounds[i].features for i, _, _ in ready):
-                    logits, hidden = self.lm.feed_batch(sessions, fed, keep, features=True)
+                    aux = tuple(self.head.aux_layers) if self.head is not None else ()
+                    logits, hidden = self.lm.feed_batch(sessions, fed, keep, features=True, aux_layers=aux)
                 else:
                     logits = self.lm.feed_batch(sessions, fed, keep)
                 decisions = self._decide_batch([logits_i for logits_i in logits],
@@ -137,7 +138,9 @@ class Verifier:
                         if rounds[i].draft_next:
                             context = synced.context + rounds[i].drafts[:accepted_n] + [next_id]
                             next_drafts = tuple(self.head.draft(synced.session, context, rounds[i].draft_next))
-                    feature_bytes = states.numpy().tobytes() if rounds[i].features else b""
+                    # On the wire: the final hidden states only (what WorkerInfo.feature_size says).
+                    feature_bytes = states[:, :self.lm.feature_size].contiguous().numpy().tobytes() \
+                        if rounds[i].features else b""
                     feature_start = feature_start if rounds[i].features else 0
                 results[i] = Verdict(accepted_n, next_id, committed, 0.0, feature_start, feature_bytes, next_drafts)
             for i, synced, _ in ready:

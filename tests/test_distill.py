@@ -241,3 +241,56 @@ def test_eagle_head_through_the_services_is_token_identical(distilled_eagle, tar
     for text, result in zip(SERVICE_PROMPTS, results):
         assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
     assert sum(r.stats["proposed"] for r in results) > 0
+
+
+AUX_STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def distilled_aux(tmp_path_factory, distilled_eagle):
+    """A head that also reads target layer 0 (--aux-layers), warm-started from the trained
+    head (--init-from) on the same teacher data."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("distill-aux")
+    source = distilled_eagle["out"].with_name(distilled_eagle["out"].name + ".work")
+    work = root / "work"
+    work.mkdir()
+    shutil.copytree(source / "data", work / "data")
+    for name in ("meta.json", "data.json", "draft_vocab.pt"):
+        shutil.copy(source / name, work / name)
+    out = root / "head"
+    extra = ("--kind", "eagle", "--draft-vocab", "96", "--unroll", "2", "--lr", "3e-3", "--work", str(work),
+             "--resume", "--aux-layers", "0", "--init-from", str(distilled_eagle["out"]))
+    assert main(tiny_run_args(distilled_eagle["target_dir"], out, AUX_STEPS, *extra)) == 0
+    return {"out": out, "work": work, "record": json.loads((out / "distill.json").read_text())}
+
+
+def test_a_head_reading_aux_layers_trains_from_a_warm_start(distilled_aux, distilled_eagle):
+    from specdec import eagle
+
+    record = distilled_aux["record"]
+    assert record["student"]["aux_layers"] == [0]
+    shards = sorted(p.name for p in (distilled_aux["work"] / "data").iterdir())
+    assert sorted(p.name for p in (distilled_aux["work"] / "aux-0").iterdir()) == shards
+    # Started from the trained head: its first losses are near where that head ended, far
+    # below where training from scratch started.
+    scratch = [h["loss"] for h in distilled_eagle["record"]["history"] if "loss" in h]
+    warm = [h["loss"] for h in record["history"] if "loss" in h]
+    assert warm[0] < 0.8 * scratch[0], (warm, scratch)
+    head = eagle.load(distilled_aux["out"])
+    assert head.config.aux_layers == [0] and float(head.aux_fc.weight.detach().abs().max()) > 0
+
+
+def test_a_head_reading_aux_layers_is_token_identical_on_the_target(distilled_aux, target, tokenizer):
+    from specdec import eagle
+
+    head = eagle.load(distilled_aux["out"], target=target)
+
+    async def scenario():
+        async with running_stack(target, tokenizer, target_head=head) as stack:
+            async with Client(stack.address) as client:
+                return [await client.complete(make_request(p, max_new_tokens=MAX_NEW, k=4)) for p in SERVICE_PROMPTS]
+
+    for text, result in zip(SERVICE_PROMPTS, run(scenario())):
+        assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text

@@ -3,6 +3,7 @@ chain the worker drafts, and a saved head loads back."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdec import eagle
@@ -10,11 +11,11 @@ from specdec import eagle
 torch.set_num_threads(2)
 
 
-def small_head(seed: int = 0) -> eagle.EagleHead:
+def small_head(seed: int = 0, aux_layers: tuple[int, ...] = ()) -> eagle.EagleHead:
     torch.manual_seed(seed)
     config = eagle.EagleConfig(target="none", hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
                                intermediate_size=48, rope_theta=10000.0, rms_norm_eps=1e-5,
-                               max_position_embeddings=512, draft_vocab_size=20)
+                               max_position_embeddings=512, draft_vocab_size=20, aux_layers=list(aux_layers))
     vocab = torch.arange(0, 40, 2)
     head = eagle.EagleHead(config, torch.randn(50, 32), torch.randn(20, 32), vocab)
     for p in head.parameters():
@@ -22,11 +23,15 @@ def small_head(seed: int = 0) -> eagle.EagleHead:
     return head.eval()
 
 
-def test_unrolled_steps_equal_the_served_chain():
-    head = small_head()
+AUX = pytest.mark.parametrize("aux_layers", [(), (0, 3)], ids=["final-features", "aux-layers"])
+
+
+@AUX
+def test_unrolled_steps_equal_the_served_chain(aux_layers):
+    head = small_head(aux_layers=aux_layers)
     length, steps = 14, 3
     tokens = torch.randint(0, 50, (1, length))
-    features = torch.randn(1, length, 32)  # features[:, t] = f_{t-1}
+    features = torch.randn(1, length, head.config.feature_size)  # features[:, t] = f_{t-1} (+ aux states)
     features[:, 0] = 0
     with torch.no_grad():
         unrolled = head.unrolled(tokens, features, steps)
@@ -55,8 +60,9 @@ def test_cache_crop_and_regrow_give_the_same_result():
     torch.testing.assert_close(again, whole[100:], atol=1e-4, rtol=1e-4)
 
 
-def test_save_and_load_round_trip(tmp_path):
-    head = small_head(2)
+@AUX
+def test_save_and_load_round_trip(tmp_path, aux_layers):
+    head = small_head(2, aux_layers)
 
     class Target(torch.nn.Module):  # what eagle.load takes from a target: its embeddings
         def __init__(self):
@@ -76,11 +82,36 @@ def test_save_and_load_round_trip(tmp_path):
     assert eagle.is_eagle_dir(str(tmp_path))
     loaded = eagle.load(tmp_path, target=Target())
     tokens = torch.randint(0, 50, (1, 9))
-    features = torch.randn(1, 9, 32)
+    features = torch.randn(1, 9, head.config.feature_size)
     with torch.no_grad():
         for a, b in zip(head.unrolled(tokens, features, 2), loaded.unrolled(tokens, features, 2)):
             torch.testing.assert_close(a, b)
     assert torch.equal(loaded.draft_vocab, head.draft_vocab)
+    assert loaded.config.aux_layers == list(aux_layers)
+
+
+def test_a_head_with_aux_layers_starts_as_the_head_it_is_warm_started_from(tmp_path):
+    plain = small_head(7)
+    eagle.save(plain, tmp_path, dtype=torch.float32)
+    wide = eagle.EagleHead(eagle.EagleConfig(**{**vars(plain.config), "aux_layers": [1, 2]}), plain.embed,
+                           plain.head, plain.draft_vocab)  # as distill --init-from builds it
+    lacked = eagle.warm_start(wide, tmp_path)
+    assert lacked == ["aux_fc.weight", "aux_norm.weight"]
+    tokens = torch.randint(0, 50, (1, 12))
+    features = torch.randn(1, 12, wide.config.feature_size)
+    with torch.no_grad():
+        # aux_fc starts at zero: the aux states change nothing yet.
+        for a, b in zip(wide.unrolled(tokens, features, 3), plain.unrolled(tokens, features[..., :32], 3)):
+            torch.testing.assert_close(a, b)
+        torch.nn.init.normal_(wide.aux_fc.weight, std=0.3)
+        trained = wide.unrolled(tokens, features, 1)[0]
+        assert not torch.allclose(trained, plain.unrolled(tokens, features[..., :32], 1)[0])
+        # The head's own predictions (width H) are fed without the aux term.
+        torch.testing.assert_close(wide.inputs(features[..., :32], tokens), plain.inputs(features[..., :32], tokens))
+    other = small_head(9)
+    other.draft_vocab = other.draft_vocab + 1
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        eagle.warm_start(other, tmp_path)
 
 
 def test_drafter_copies_a_repeated_ngram_and_uses_the_head_otherwise():
@@ -142,12 +173,11 @@ def test_the_chain_stops_where_the_heads_confidence_in_it_runs_out():
         assert drafter.propose(store.sync(f"cut{cut}", 0, context), 6, features) == full[:cut]
 
 
-def test_the_packed_head_computes_what_the_plain_head_does():
-    import pytest
-
-    head = small_head(5)
+@AUX
+def test_the_packed_head_computes_what_the_plain_head_does(aux_layers):
+    head = small_head(5, aux_layers)
     tokens = torch.randint(0, 50, (40,)).tolist()
-    features = torch.randn(40, 32)
+    features = torch.randn(40, head.config.feature_size)
     plain_out = head.extend(eagle.HeadCache(2, 8, torch.float32), features, tokens)
     if eagle.fast_cpu_dtype() is None:
         pytest.skip("this torch has no oneDNN")

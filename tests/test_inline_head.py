@@ -39,10 +39,9 @@ def recording(head: InlineHead):
     return seen
 
 
-@pytest.mark.parametrize("options", [{}, {"batching": False}, {"prefill_chunk_tokens": 8}],
-                         ids=["batched", "unbatched", "chunked-prefill"])
-def test_a_head_on_the_target_is_token_identical(target, tokenizer, options):
-    head = make_head(target)
+def served_with_head(target, tokenizer, head, **options):
+    """PROMPTS through a stack whose target worker runs `head` (drafting at any confidence):
+    the results, each checked token-identical to the target alone, and what the head saw."""
 
     async def scenario():
         async with running_stack(target, tokenizer, target_head=head, target_options=ALWAYS, **options) as stack:
@@ -55,6 +54,14 @@ def test_a_head_on_the_target_is_token_identical(target, tokenizer, options):
     results, seen = run(scenario())
     for text, result in zip(PROMPTS, results):
         assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
+    return results, seen
+
+
+@pytest.mark.parametrize("options", [{}, {"batching": False}, {"prefill_chunk_tokens": 8}],
+                         ids=["batched", "unbatched", "chunked-prefill"])
+def test_a_head_on_the_target_is_token_identical(target, tokenizer, options):
+    results, seen = served_with_head(target, tokenizer, make_head(target), **options)
+    for result in results:
         stats = result.stats
         assert stats["proposed"] > 0
         # Each block with a rejected token counts once; a block accepted whole does not.
@@ -184,3 +191,81 @@ def test_the_draft_worker_drafts_only_for_a_target_replica_without_a_head(target
     assert with_head.token_ids == reference and without.token_ids == reference
     assert with_head.stats["proposed"] > 0 and asked_with_head == 0
     assert asked > 0
+
+
+# ----------------------------------------------------------------------------- aux layers
+
+
+def aux_head(target, aux_layers=(0,), seed: int = 0):
+    """A random head that also reads the outputs of target layers `aux_layers` (EAGLE-3
+    style), with a non-zero aux projection so that those states change its drafts."""
+    import torch
+
+    from specdec import eagle
+
+    torch.manual_seed(seed)
+    vocab = torch.arange(0, target.config.vocab_size, 2)
+    head = eagle.build(eagle.new_config(target, "tiny-target", len(vocab), aux_layers=aux_layers), target, vocab)
+    torch.nn.init.normal_(head.aux_fc.weight, std=0.1)
+    return head.eval()
+
+
+def layer_output(target, ids: list[int], layer: int):
+    """The residual stream after decoder layer `layer` over a whole sequence, [len, H]."""
+    import torch
+
+    out = {}
+    handle = target.model.layers[layer].register_forward_hook(
+        lambda module, args, output: out.setdefault("h", output[0] if isinstance(output, tuple) else output))
+    try:
+        with torch.inference_mode():
+            target.model(input_ids=torch.tensor([ids]))
+    finally:
+        handle.remove()
+    return out["h"][0]
+
+
+def test_a_head_reading_aux_layers_on_the_target_is_token_identical(target, tokenizer):
+    from tests.test_eagle_services import hidden_states
+
+    hidden = target.config.hidden_size
+    results, seen = served_with_head(target, tokenizer, aux_head(target))
+    assert sum(r.stats["proposed"] for r in results) > 0
+    checked = 0
+    for context, features in seen:
+        rows, end = features.rows.float(), len(context) - 1
+        assert rows.shape[1] == 2 * hidden and features.start + len(rows) == end
+        final = hidden_states(target, context)[features.start:end].float()
+        layer0 = layer_output(target, context, 0)[features.start:end].float()
+        # Committed positions bring the final hidden state, then layer 0's output.
+        torch_close(rows[:, :hidden], final)
+        torch_close(rows[:, hidden:], layer0)
+        checked += len(rows)
+    assert checked > 0
+
+
+def torch_close(actual, expected):
+    import torch
+
+    torch.testing.assert_close(actual, expected, atol=2e-2, rtol=1e-2)
+
+
+def test_a_head_reading_aux_layers_is_refused_by_a_draft_worker(target, tokenizer):
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=aux_head(target)):
+            pass
+
+    with pytest.raises(FailedPrecondition, match="only the target worker has"):
+        run(scenario())
+
+
+def test_a_head_reading_layers_the_target_lacks_is_refused_at_start(target, tokenizer):
+    head = aux_head(target)
+    head.config.aux_layers = [5]  # the tiny target has 2 layers
+
+    async def scenario():
+        async with running_stack(target, tokenizer, target_head=head):
+            pass
+
+    with pytest.raises(FailedPrecondition, match=r"layers \[5\]"):
+        run(scenario())

@@ -82,7 +82,7 @@ class EagleDrafter:
         self.lookup_ngram = lookup_ngram
         self.min_chain_prob = min_chain_prob
         config = head.config
-        self.feature_size = config.hidden_size
+        self.feature_size = config.feature_size
         element = torch.finfo(head.fc.weight.dtype).bits // 8
         self.bytes_per_token = 2 * config.num_kv_heads * config.head_dim * element
         self.vocab_size = int(head.embed.shape[0])
