@@ -13,7 +13,7 @@
    modelled speedup (tokens per round over 1 + per-round overhead + rows × (c + row cost)),
    exact greedy chains as in `specdec distill`'s evaluation.
 
-    python benchmarks/head_step.py [--head drafts/smollm2-135m-eagle] [--work DIR] [--threads 2] [--json out.json]
+    python benchmarks/head_step.py [--head drafts/smollm2-135m-eagle3] [--work DIR] [--threads 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def simulate(records, k: int, threshold: float, c: float) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--head", default="drafts/smollm2-135m-eagle")
+    parser.add_argument("--head", default="drafts/smollm2-135m-eagle3")
     parser.add_argument("--work", default=None, help="distill work directory with held-out data "
                                                      "(default: HEAD.work when it exists)")
     parser.add_argument("--threads", type=int, default=2)

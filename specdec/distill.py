@@ -861,17 +861,30 @@ def _write_model_card(out_dir: Path, record: dict) -> None:
     final, data, training = record["final"], record["data"], record["training"]
     student = record["student"]
     if record.get("kind") == EAGLE:
-        about = ("A feature-level draft head (specdec.eagle, in the style of EAGLE): one decoder layer that reads "
-                 "the target's hidden states and proposes through the target's own embeddings and LM-head rows "
-                 "(loaded from the target, not stored here). Trained by self-distillation on text the target "
-                 "generated. Use it with `specdec up --draft DIR` or `specdec serve target --head DIR` (the target "
-                 "worker runs it next to the target), or `specdec serve draft --model DIR`; not a Hugging Face "
-                 "model.")
+        aux = student.get("aux_layers") or []
+        if aux:
+            about = ("A feature-level draft head (specdec.eagle, in the style of EAGLE-3): one decoder layer that "
+                     "reads the target's final hidden states and the outputs of some of its middle layers, and "
+                     "proposes through the target's own embeddings and LM-head rows (loaded from the target, not "
+                     "stored here). Trained by self-distillation on text the target generated. Use it with "
+                     "`specdec up --draft DIR` or `specdec serve target --head DIR`: the target worker runs it next "
+                     "to the target (those layers' states never leave it, so a draft worker cannot serve it); not "
+                     "a Hugging Face model.")
+        else:
+            about = ("A feature-level draft head (specdec.eagle, in the style of EAGLE): one decoder layer that reads "
+                     "the target's hidden states and proposes through the target's own embeddings and LM-head rows "
+                     "(loaded from the target, not stored here). Trained by self-distillation on text the target "
+                     "generated. Use it with `specdec up --draft DIR` or `specdec serve target --head DIR` (the "
+                     "target worker runs it next to the target), or `specdec serve draft --model DIR`; not a "
+                     "Hugging Face model.")
+        reads = (f"reads the target's final hidden states and the outputs of its layers {aux} (0-based; on the "
+                 "target worker only)" if aux else
+                 f"{student['feature_bytes_per_token']} feature bytes per token on the wire when a draft worker "
+                 "serves it")
         shape = (f"1 decoder layer, hidden {student['hidden']}, MLP {student['intermediate']}, draft vocabulary "
                  f"{student['draft_vocab']} tokens ({record['data'].get('draft_vocab_coverage_heldout', 0):.3f} of "
                  f"held-out greedy tokens), {student['parameters'] / 1e6:.1f}M trained parameters, bfloat16 "
-                 f"({student['dir_mb']:.1f} MB); {student['feature_bytes_per_token']} feature bytes per token "
-                 "on the wire")
+                 f"({student['dir_mb']:.1f} MB); {reads}")
     else:
         about = ("A small LlamaForCausalLM sharing the target's tokenizer, trained by self-distillation on text the "
                  "target generated (its top-K distributions). Use it with `specdec up --draft DIR`, "
@@ -886,7 +899,9 @@ def _write_model_card(out_dir: Path, record: dict) -> None:
         f"({data['shards_done']} of {data['shards_planned']} planned shards, {data['seconds'] / 60:.1f} min, "
         f"{data['tokens_per_s']:.0f} tok/s)",
         f"- training: {training['steps']} steps, {training['epochs']:.2f} epochs, "
-        f"{training['trained_s'] / 60:.1f} min; loss {training['first_loss']:.3f} → {training['final_loss']:.3f}",
+        f"{training['trained_s'] / 60:.1f} min; loss {training['first_loss']:.3f} → {training['final_loss']:.3f}"
+        + (f" (started from the weights of `{record['config']['init_from']}`)"
+           if record.get("config", {}).get("init_from") else ""),
         f"- held-out ({data['heldout_prompts']} prompts unseen in training): top-1 agreement "
         f"{final['heldout_top1_agreement']:.3f}; simulated greedy k={final['sim_k']}: acceptance rate "
         f"{final['sim_acceptance_rate']:.3f}, alpha {final['sim_alpha']:.3f}, "

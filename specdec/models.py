@@ -29,14 +29,14 @@ BUILTIN_MODELS = {
 CONVERTED_MARKER = "specdec-converted.txt"
 # Drafts trained by `specdec distill` and committed under the repository's drafts/, by name
 # (present in a checkout or an editable install, not in a wheel or the container image).
-BUILTIN_DRAFTS = {"smollm2-135m-eagle": "smollm2-135m-eagle"}
+BUILTIN_DRAFTS = {"smollm2-135m-eagle": "smollm2-135m-eagle", "smollm2-135m-eagle3": "smollm2-135m-eagle3"}
 DRAFTS_DIR = Path(__file__).resolve().parent.parent / "drafts"
 
 
 # The draft `specdec up` runs for a target when none is named: a built-in draft trained for it
 # and measured faster than n-gram overall by `specdec bench` (benchmarks/results/
-# bench-eagle-head.md); n-gram for other targets, or where drafts/ is not present.
-DEFAULT_DRAFTS = {"smollm2-135m": "smollm2-135m-eagle"}
+# bench-eagle3-head.md); n-gram for other targets, or where drafts/ is not present.
+DEFAULT_DRAFTS = {"smollm2-135m": "smollm2-135m-eagle3"}
 
 
 def default_draft(target: str) -> str:

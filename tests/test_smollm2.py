@@ -101,3 +101,30 @@ def test_the_shipped_eagle_head_changes_speed_only(smollm2):
     proposed = sum(r.stats["proposed"] for r in results.values())
     accepted = sum(r.stats["accepted"] for r in results.values())
     assert proposed > 0 and accepted / proposed > 0.2, (accepted, proposed)
+
+
+def test_the_default_head_on_the_target_worker_changes_speed_only(smollm2):
+    """The default draft of `specdec up` for SmolLM2 (drafts/smollm2-135m-eagle3, a head that
+    also reads two of SmolLM2's middle layers) run by the target worker as `specdec up` runs
+    it: the output is the target's alone, and most of its draft tokens are accepted."""
+    from specdec import eagle, models
+
+    model, tokenizer = smollm2
+    spec = models.default_draft("smollm2-135m")
+    head = eagle.load(spec, target=model)
+    assert head.config.aux_layers  # reads more than the final hidden states
+
+    async def scenario():
+        async with running_stack(model, tokenizer, target_head=head) as stack:
+            async with Client(stack.address) as client:
+                return {name: await client.complete(make_request(prompt, max_new_tokens=MAX_NEW, k=4))
+                        for name, prompt in PROMPTS.items()}
+
+    results = run(scenario())
+    for name, prompt in PROMPTS.items():
+        prompt_ids = list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                        add_generation_prompt=True)["input_ids"])
+        assert results[name].token_ids == reference_greedy(model, prompt_ids, MAX_NEW), name
+    proposed = sum(r.stats["proposed"] for r in results.values())
+    accepted = sum(r.stats["accepted"] for r in results.values())
+    assert proposed > 0 and accepted / proposed > 0.3, (accepted, proposed)
