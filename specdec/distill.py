@@ -239,6 +239,10 @@ class Generated:
     # its LM head reads) at every fed position, prompt then answer: [prompt + answer - 1, H]
     # float16 (the last answer token is never fed). Position p's feature predicts token p+1.
     features: list[torch.Tensor] | None = None
+    # With aux_layers as well: the residual stream after those decoder layers at the same
+    # positions, [prompt + answer - 1, H·len(aux_layers)] float16 (what distill_eagle.extract_aux
+    # computes teacher-forced; stored beside the shard, not in it).
+    aux: list[torch.Tensor] | None = None
 
 
 def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
@@ -257,9 +261,12 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: t
 @_inference
 def teacher_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: list[int], max_new_tokens: int,
                      top_k: int, sample: bool = False, temperature: float = 1.0, top_p: float = 1.0,
-                     generator: torch.Generator | None = None, new_cache=None, features: bool = False) -> Generated:
+                     generator: torch.Generator | None = None, new_cache=None, features: bool = False,
+                     aux_layers: tuple[int, ...] = ()) -> Generated:
     """The teacher answers a batch of prompts in lockstep: left-padded prefill, then one
-    token per step for every unfinished row, recording the top-K log-probs of each step.
+    token per step for every unfinished row, recording the top-K log-probs of each step
+    (with `features`, the final hidden states of every fed position, and with `aux_layers`
+    too, the outputs of those decoder layers, captured by forward hooks in the same passes).
 
     Rows that hit EOS stop recording; once COMPACT_FRACTION of the live rows have finished,
     they are dropped from the batch (and from the KV cache) so they cost nothing more.
@@ -278,6 +285,46 @@ def teacher_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: l
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp_min(0)  # [B, P]: real tokens count from 0
     cache = new_cache(model.config) if new_cache is not None else DynamicCache(config=model.config)
+    hidden_size = model.config.hidden_size
+    out_features = torch.zeros((batch, max_new_tokens, hidden_size) if features else (0,), dtype=torch.float16)
+    aux_layers = tuple(aux_layers) if features else ()
+    aux_width = hidden_size * len(aux_layers)
+    out_aux = torch.zeros((batch, max_new_tokens, aux_width) if aux_layers else (0,), dtype=torch.float16)
+    captured: dict[int, torch.Tensor] = {}
+
+    def hook(index):
+        def capture(module, args, output):
+            captured[index] = output[0] if isinstance(output, tuple) else output
+        return capture
+
+    handles = [model.model.layers[i].register_forward_hook(hook(i)) for i in aux_layers]
+
+    def forward(input_ids, attention_mask, position_ids):
+        """Logits of the last position [b, V], the last hidden states [b, n, H], and the aux
+        layers' outputs [b, n, H·a] (None without aux layers)."""
+        hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             cache=cache, use_cache=True).last_hidden_state  # [b, n, H]
+        aux = torch.cat([captured.pop(i) for i in aux_layers], -1) if aux_layers else None
+        return model.lm_head(hidden[:, -1]).float(), hidden, aux
+
+    try:
+        return _generate_loop(model, prompts, forward, cache, ids, mask, positions, longest, top_k=top_k,
+                              max_new_tokens=max_new_tokens, sample=sample, temperature=temperature, top_p=top_p,
+                              generator=generator, eos_ids=eos_ids, features=features, out_features=out_features,
+                              out_aux=out_aux if aux_layers else None)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _generate_loop(model, prompts, forward, cache, ids, mask, positions, longest: int, *, top_k: int,
+                   max_new_tokens: int, sample: bool, temperature: float, top_p: float, generator, eos_ids,
+                   features: bool, out_features, out_aux) -> Generated:
+    """teacher_generate's prefill and decode steps (hooks, if any, are registered around it)."""
+    import torch
+
+    device = ids.device
+    batch = len(prompts)
     out_tokens = torch.zeros((batch, max_new_tokens), dtype=torch.long)  # [B, N]
     out_ids = torch.zeros((batch, max_new_tokens, top_k), dtype=torch.int32)  # [B, N, K]
     out_logprobs = torch.zeros((batch, max_new_tokens, top_k), dtype=torch.float16)  # [B, N, K]
@@ -285,18 +332,12 @@ def teacher_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: l
     alive = torch.arange(batch)  # original row of each live batch row
     done = torch.zeros(batch, dtype=torch.bool)  # [b], live rows that emitted EOS
     eos = torch.tensor(eos_ids or [-1], device=device)
-    hidden_size = model.config.hidden_size
-    out_features = torch.zeros((batch, max_new_tokens, hidden_size) if features else (0,), dtype=torch.float16)
 
-    def forward(input_ids, attention_mask, position_ids):
-        """Logits of the last position [b, V], and the last hidden states [b, n, H]."""
-        hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             cache=cache, use_cache=True).last_hidden_state  # [b, n, H]
-        return model.lm_head(hidden[:, -1]).float(), hidden
-
-    logits, hidden = forward(ids, mask, positions)
+    logits, hidden, aux = forward(ids, mask, positions)
     prompt_features = [hidden[row, longest - len(p):].to(torch.float16).cpu() for row, p in enumerate(prompts)] \
         if features else []
+    prompt_aux = [aux[row, longest - len(p):].to(torch.float16).cpu() for row, p in enumerate(prompts)] \
+        if out_aux is not None else []
     for step in range(max_new_tokens):
         logprobs = torch.log_softmax(logits, dim=-1)  # [b, V]
         top = torch.topk(logprobs, top_k, dim=-1)  # [b, K]
@@ -320,15 +361,19 @@ def teacher_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: l
             done = done[keep]
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)  # [b, P + step + 1]
         positions = positions[:, -1:] + 1  # [b, 1]
-        logits, hidden = forward(token[:, None], mask, positions)
+        logits, hidden, aux = forward(token[:, None], mask, positions)
         if features:  # the feature of answer token `step`, which was just fed
             out_features[alive, step] = hidden[:, -1].to(torch.float16).cpu()
+        if out_aux is not None:
+            out_aux[alive, step] = aux[:, -1].to(torch.float16).cpu()
     answers = [out_tokens[row, :lengths[row]].tolist() for row in range(batch)]
     return Generated([list(p) for p in prompts], answers,
                      [out_ids[row, :lengths[row]].clone() for row in range(batch)],
                      [out_logprobs[row, :lengths[row]].clone() for row in range(batch)],
                      [torch.cat([prompt_features[row], out_features[row, :lengths[row] - 1]])
-                      for row in range(batch)] if features else None)
+                      for row in range(batch)] if features else None,
+                     [torch.cat([prompt_aux[row], out_aux[row, :lengths[row] - 1]])
+                      for row in range(batch)] if out_aux is not None else None)
 
 
 def _teacher_for_generation(target):
@@ -370,6 +415,9 @@ def generate_data(config: DistillConfig, target, tokenizer, deadline: float) -> 
     model, cache_factory = _teacher_for_generation(target)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(target, tokenizer)[0]
     eos_ids = eos_token_ids(target, tokenizer)
+    # A feature head's aux layers are captured in the generation passes themselves (no
+    # teacher-forced pass later for shards generated now).
+    aux_layers = tuple(config.aux_layers) if config.kind == EAGLE else ()
     todo = [s for s in plan if not (data_dir / s.path_name).exists()]
     bar = _progress(len(plan), config.progress, "teacher data", unit="shard", initial=len(plan) - len(todo))
     last_shard_s = 0.0
@@ -385,8 +433,17 @@ def generate_data(config: DistillConfig, target, tokenizer, deadline: float) -> 
         result = teacher_generate(model, batch, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=config.max_new_tokens,
                                   top_k=config.top_k, sample=shard.sample != GREEDY_SAMPLE,
                                   temperature=config.temperature, top_p=config.top_p, generator=generator,
-                                  new_cache=cache_factory, features=config.kind == EAGLE)
-        _atomic_save({"shard": asdict(shard), **asdict(result)}, data_dir / shard.path_name)
+                                  new_cache=cache_factory, features=config.kind == EAGLE,
+                                  aux_layers=aux_layers)
+        stored = {"shard": asdict(shard), **asdict(result)}
+        if aux_layers:  # beside the shard, as extract_aux would write it (written first: a shard implies it)
+            from specdec.distill_eagle import aux_path
+
+            aux_file = aux_path(config.work, data_dir / shard.path_name, aux_layers)
+            aux_file.parent.mkdir(parents=True, exist_ok=True)
+            _atomic_save(stored["aux"], aux_file)
+        del stored["aux"]
+        _atomic_save(stored, data_dir / shard.path_name)
         last_shard_s = time.monotonic() - began
         tokens = sum(len(a) for a in result.answers)
         summary["shards_done"] += 1
@@ -958,6 +1015,10 @@ def run(config: DistillConfig) -> dict:
         config.max_minutes / 2 if config.max_minutes else math.inf)
     _prepare_work_dir(config)
     target, tokenizer = load_model(config.target)
+    if config.kind == EAGLE and config.aux_layers:  # refuses layers the target lacks, before any data
+        from specdec import eagle
+
+        eagle.new_config(target, config.target, 1, aux_layers=tuple(config.aux_layers))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     checkpoint = config.work / "checkpoint.pt"
     if checkpoint.exists():  # training has begun: the data set is frozen
@@ -1015,8 +1076,7 @@ def _run_eagle(config: DistillConfig, target, tokenizer, data: dict, began: floa
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     aux_layers = tuple(config.aux_layers)
-    if aux_layers:
-        eagle.new_config(target, config.target, 1, aux_layers=aux_layers)  # refuses layers the target lacks
+    if aux_layers:  # teacher-forced, for shards generated before these layers were asked for
         data["aux_positions_computed"] = distill_eagle.extract_aux(config.work, target, aux_layers, end)
     train_set = distill_eagle.load_examples(config.work, TRAIN, aux_layers)
     heldout = distill_eagle.load_examples(config.work, HELDOUT, aux_layers)

@@ -129,6 +129,52 @@ def test_teacher_generation_equals_target_greedy_alone(target, tokenizer):
         assert bool((logprobs[:, :-1] >= logprobs[:, 1:]).all())
 
 
+def test_generation_captures_aux_layers_as_a_teacher_forced_pass_would(target, tokenizer):
+    """The layer states stored while the teacher generates (KV-cached decode steps, rows
+    compacted as they finish) are what distill_eagle.extract_aux computes teacher-forced."""
+    from specdec import distill_eagle
+
+    texts = ["Hi", "Write a long poem about the quick brown fox.", "def add(a, b):", "Summarise: the cat sat."]
+    prompts = [distill.chat_ids(tokenizer, t) for t in texts]
+    model, cache = distill._teacher_for_generation(target)
+    first = distill.teacher_generate(model, prompts, pad_id=tokenizer.pad_token_id, eos_ids=[], max_new_tokens=MAX_NEW,
+                                     top_k=4, new_cache=cache)
+    eos = [first.answers[0][2]]  # row 0 finishes early: the batch is compacted
+    result = distill.teacher_generate(model, prompts, pad_id=tokenizer.pad_token_id, eos_ids=eos,
+                                      max_new_tokens=MAX_NEW, top_k=4, new_cache=cache, features=True,
+                                      aux_layers=(1, 0))
+    assert result.answers == distill.teacher_generate(model, prompts, pad_id=tokenizer.pad_token_id, eos_ids=eos,
+                                                      max_new_tokens=MAX_NEW, top_k=4, new_cache=cache).answers
+    assert not model.model.layers[0]._forward_hooks  # the capture hooks are gone
+    sequences = [(p + a)[:-1] for p, a in zip(result.prompts, result.answers)]
+    forced = distill_eagle.aux_states(target, sequences, (1, 0))
+    hidden = target.config.hidden_size
+    for got, want, feats, seq in zip(result.aux, forced, result.features, sequences):
+        assert got.shape == want.shape == (len(seq), 2 * hidden) and feats.shape == (len(seq), hidden)
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=2e-4)  # states ~2e-2
+        assert not torch.equal(got[:, :hidden], got[:, hidden:])  # layer 1, then layer 0
+
+
+def test_an_aux_head_from_nothing_gets_its_layer_states_in_the_data_phase(tmp_path, target, tokenizer):
+    target_dir = save_model_dir(tmp_path / "target", target, tokenizer)
+    out = tmp_path / "head"
+    assert main(tiny_run_args(target_dir, out, 4, "--kind", "eagle", "--draft-vocab", "96", "--aux-layers", "0")) == 0
+    work = out.with_name(out.name + ".work")
+    record = json.loads((out / "distill.json").read_text())
+    assert record["data"]["aux_positions_computed"] == 0  # none needed a teacher-forced pass
+    assert sorted(p.name for p in (work / "aux-0").iterdir()) == sorted(p.name for p in (work / "data").iterdir())
+    shard = torch.load(next((work / "data").iterdir()), weights_only=True)
+    assert "aux" not in shard  # stored beside the shard, not in it
+
+
+def test_aux_layers_the_target_lacks_are_refused_before_any_data(tmp_path, target, tokenizer, capsys):
+    target_dir = save_model_dir(tmp_path / "target", target, tokenizer)
+    out = tmp_path / "head"
+    assert main(tiny_run_args(target_dir, out, 4, "--kind", "eagle", "--aux-layers", "7")) != 0
+    assert "layer" in capsys.readouterr().err
+    assert not (out.with_name(out.name + ".work") / "data").exists()
+
+
 def test_distill_lowers_the_loss(distilled):
     losses = [h["loss"] for h in distilled["second"]["history"] if "loss" in h]
     assert losses[-1] < LOSS_DROP * losses[0], losses
