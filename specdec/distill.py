@@ -111,6 +111,8 @@ class DistillConfig:
     """Key/value heads (default heads // 2, at least 1)."""
     train_prompts: int | None = None
     """Use only the first N training prompts of the built-in set (all by default)."""
+    prompts_file: Path | None = None
+    """More training prompts, the user's own (distill_prompts.read_prompt_file), after the built-in ones."""
     heldout_prompts: int = 96
     """Held-out prompts answered (greedily) for evaluation, spread over the held-out set."""
     samples_per_prompt: int = 4
@@ -214,6 +216,12 @@ def select_prompts(config: DistillConfig) -> tuple[list[str], list[str]]:
     ones evenly spaced so every kind of request is represented."""
     prompts = distill_prompts.build_prompts()
     train = [p.text for p in distill_prompts.split(prompts, TRAIN)][:config.train_prompts]
+    if config.prompts_file is not None:
+        seen = set(train)
+        for text in distill_prompts.read_prompt_file(config.prompts_file):
+            if text not in seen and not distill_prompts.excluded(text):  # never the bench's subjects
+                seen.add(text)
+                train.append(text)
     heldout_all = [p.text for p in distill_prompts.split(prompts, HELDOUT)]
     count = min(config.heldout_prompts, len(heldout_all))
     heldout = [heldout_all[i * len(heldout_all) // count] for i in range(count)] if count else []
@@ -974,6 +982,14 @@ def _write_model_card(out_dir: Path, record: dict) -> None:
 # ----------------------------------------------------------------------------- the command
 
 
+def _prompts_digest(path: Path | None) -> str | None:
+    """What a --prompts file contributes to the data's identity: its prompts, not its name."""
+    if path is None:
+        return None
+    texts = distill_prompts.read_prompt_file(path)
+    return hashlib.sha256("\n".join(texts).encode()).hexdigest()[:16]
+
+
 def _prepare_work_dir(config: DistillConfig) -> None:
     work = config.work
     # What the teacher data depends on: a resume may change the student or the optimiser
@@ -982,6 +998,7 @@ def _prepare_work_dir(config: DistillConfig) -> None:
                 "samples_per_prompt": config.samples_per_prompt, "temperature": config.temperature,
                 "top_p": config.top_p, "max_new_tokens": config.max_new_tokens, "gen_batch": config.gen_batch,
                 "top_k": config.top_k, "seed": config.seed, "features": config.kind == EAGLE,
+                "prompts_file": _prompts_digest(config.prompts_file),
                 "prompt_set": hashlib.sha256("\n".join(p.text for p in distill_prompts.build_prompts())
                                              .encode()).hexdigest()[:16]}
     meta_path = work / "meta.json"
@@ -1186,6 +1203,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default heads/2)")
     parser.add_argument("--train-prompts", type=int, default=None,
                         help="use only the first N built-in training prompts (default all)")
+    parser.add_argument("--prompts", type=Path, default=None, metavar="FILE",
+                        help="more training prompts, e.g. your own traffic: one per line, or .jsonl with a "
+                             "\"prompt\" string per line; added after the built-in ones (held-out stays built-in)")
     parser.add_argument("--heldout-prompts", type=int, default=d.heldout_prompts,
                         help="held-out prompts for evaluation (default %(default)s)")
     parser.add_argument("--samples-per-prompt", type=int, default=d.samples_per_prompt,
@@ -1251,7 +1271,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
     return DistillConfig(
         target=args.target, out_dir=args.out, work_dir=args.work, resume=args.resume, layers=args.layers,
         hidden=args.hidden, intermediate=args.intermediate, heads=args.heads, kv_heads=args.kv_heads,
-        train_prompts=args.train_prompts, heldout_prompts=args.heldout_prompts,
+        train_prompts=args.train_prompts, prompts_file=args.prompts, heldout_prompts=args.heldout_prompts,
         samples_per_prompt=args.samples_per_prompt, temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch, top_k=args.top_k,
         data_minutes=args.data_minutes, steps=args.steps, batch_size=args.batch_size, lr=args.lr,

@@ -310,5 +310,39 @@ def build_prompts() -> list[DistillPrompt]:
     return kept
 
 
+def read_prompt_file(path) -> list[str]:
+    """A user's prompts (`specdec distill --prompts FILE`): one per line, or with a .jsonl
+    suffix one JSON object per line whose "prompt" is a string (for prompts spanning lines).
+    Blank lines are skipped; anything else malformed is a ValueError naming the line."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise ValueError(f"--prompts {path}: no such file") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompts {path}: not UTF-8 text ({e.reason})") from None
+    texts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--prompts {path}:{number}: not JSON ({e.msg})") from None
+            text = record.get("prompt") if isinstance(record, dict) else None
+            if not isinstance(text, str) or not text.strip():
+                raise ValueError(f'--prompts {path}:{number}: expected an object with a non-empty "prompt" string')
+            texts.append(text.strip())
+        else:
+            texts.append(line.strip())
+    if not texts:
+        raise ValueError(f"--prompts {path}: no prompts in it")
+    return texts
+
+
 def split(prompts: list[DistillPrompt], name: str) -> list[DistillPrompt]:
     return [p for p in prompts if p.split == name]

@@ -175,6 +175,52 @@ def test_aux_layers_the_target_lacks_are_refused_before_any_data(tmp_path, targe
     assert not (out.with_name(out.name + ".work") / "data").exists()
 
 
+def test_users_prompts_are_added_to_the_training_prompts(tmp_path, target, tokenizer):
+    """--prompts FILE: the user's prompts are answered and trained on after the built-in ones
+    (duplicates and bench subjects dropped); the data's identity covers them."""
+    target_dir = save_model_dir(tmp_path / "target", target, tokenizer)
+    builtin = [p.text for p in distill_prompts.split(distill_prompts.build_prompts(), "train")][:4]
+    mine = ["Summarise this support ticket: the printer jams.", "Translate 'good morning' to French.",
+            "Write a SQL query that counts users per country."]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": t}) for t in
+                                 [mine[0], builtin[0], "", mine[1], "What is the capital of France?", mine[2], mine[0]]
+                                 if t) + "\n\n")
+    out = tmp_path / "draft"
+    args = tiny_run_args(target_dir, out, 2, "--prompts", str(prompts))
+    args[args.index("--train-prompts") + 1] = "4"
+    assert main(args) == 0
+    work = out.with_name(out.name + ".work")
+    answered = set()
+    for path in (work / "data").glob("*-train-s0.pt"):
+        answered.update(tuple(p) for p in torch.load(path, weights_only=True)["prompts"])
+    assert answered == {tuple(distill.chat_ids(tokenizer, t)) for t in builtin + mine}
+    assert json.loads((out / "distill.json").read_text())["data"]["train_prompts"] == 7
+    # Other prompts are other data: a resume with them is refused.
+    prompts.write_text(json.dumps({"prompt": mine[0]}) + "\n")
+    assert main(args + ["--resume"]) != 0
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("p.jsonl", '{"prompt": "ok"}\n{"prompt": 3}\n', "p.jsonl:2"),
+    ("p.jsonl", "not json\n", "p.jsonl:1: not JSON"),
+    ("p.txt", "\n  \n", "no prompts"),
+    ("absent.txt", None, "no such file"),
+])
+def test_a_bad_prompts_file_is_refused_with_its_line(tmp_path, name, text, message):
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        distill_prompts.read_prompt_file(path)
+    assert distill_prompts.read_prompt_file(_write(tmp_path / "ok.txt", "one\n\n two \n")) == ["one", "two"]
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
 def test_distill_lowers_the_loss(distilled):
     losses = [h["loss"] for h in distilled["second"]["history"] if "loss" in h]
     assert losses[-1] < LOSS_DROP * losses[0], losses
