@@ -102,7 +102,9 @@ def test_bench_runs_a_feature_level_head_through_specdec_up(tmp_path):
     from specdec import eagle
 
     tokenizer = make_tiny_tokenizer()
-    model = make_tiny_model(tokenizer, seed=0, max_positions=1024)
+    # Wide enough that features (2 bytes per hidden unit per token) would dwarf the ids and
+    # framing a round costs (~130 bytes per token when a random head is rarely accepted).
+    model = make_tiny_model(tokenizer, seed=0, hidden=256, max_positions=1024)
     target = save_model_dir(tmp_path / "target", model, tokenizer)
     torch.manual_seed(0)
     vocab = torch.arange(0, model.config.vocab_size, 2)
