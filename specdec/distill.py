@@ -69,6 +69,15 @@ MIN_LR_RATIO = 0.1  # cosine decay ends at this fraction of --lr
 WORK_SUFFIX = ".work"
 MODEL, EAGLE = "model", "eagle"  # the kinds of draft `specdec distill` trains
 RECORD_NAME = "distill.json"
+# --self-prompts (Magpie, Xu et al. 2024, arXiv:2406.08464): an instruction-tuned target
+# writes user requests itself when fed its chat template up to where a user's message begins.
+SELF_PROMPTS_NAME = "self_prompts.jsonl"  # in the work dir, written once before any shard
+SELF_PROMPT_MAX_TOKENS = 96  # a request not finished by its end-of-turn within this is dropped
+SELF_PROMPT_TEMPERATURE = 1.0  # the target's own distribution over requests
+SELF_PROMPT_TOP_P = 0.95
+SELF_PROMPT_MIN_WORDS = 4
+SELF_PROMPT_MAX_ATTEMPTS = 4  # rows sampled per wanted request, at most
+SELF_PROMPT_SEED = 7_919  # offsets --seed for the request sampler (shards use seed·1000003 + index)
 
 
 def _inference(fn):
@@ -113,6 +122,8 @@ class DistillConfig:
     """Use only the first N training prompts of the built-in set (all by default)."""
     prompts_file: Path | None = None
     """More training prompts, the user's own (distill_prompts.read_prompt_file), after the built-in ones."""
+    self_prompts: int = 0
+    """More training prompts written by the target itself (write_self_prompts), after those."""
     heldout_prompts: int = 96
     """Held-out prompts answered (greedily) for evaluation, spread over the held-out set."""
     samples_per_prompt: int = 4
@@ -211,21 +222,99 @@ def plan_shards(n_train: int, n_heldout: int, config: DistillConfig) -> list[Sha
     return shards
 
 
-def select_prompts(config: DistillConfig) -> tuple[list[str], list[str]]:
-    """(train texts, held-out texts) of the built-in set, limited as configured; held-out
-    ones evenly spaced so every kind of request is represented."""
+def select_prompts(config: DistillConfig, self_written: list[str] = ()) -> tuple[list[str], list[str]]:
+    """(train texts, held-out texts): the built-in set's, limited as configured, then the
+    --prompts file's and the target's own (`self_written`), without duplicates or bench
+    subjects; held-out ones (built-in only) evenly spaced so every kind of request is
+    represented."""
     prompts = distill_prompts.build_prompts()
     train = [p.text for p in distill_prompts.split(prompts, TRAIN)][:config.train_prompts]
-    if config.prompts_file is not None:
-        seen = set(train)
-        for text in distill_prompts.read_prompt_file(config.prompts_file):
-            if text not in seen and not distill_prompts.excluded(text):  # never the bench's subjects
-                seen.add(text)
-                train.append(text)
     heldout_all = [p.text for p in distill_prompts.split(prompts, HELDOUT)]
     count = min(config.heldout_prompts, len(heldout_all))
     heldout = [heldout_all[i * len(heldout_all) // count] for i in range(count)] if count else []
+    extra = distill_prompts.read_prompt_file(config.prompts_file) if config.prompts_file is not None else []
+    seen = set(train) | set(heldout)
+    for text in [*extra, *self_written]:
+        if text not in seen and not distill_prompts.excluded(text):  # never the bench's subjects
+            seen.add(text)
+            train.append(text)
     return train, heldout
+
+
+def user_turn_prefix(tokenizer) -> list[int]:
+    """The ids a chat starts with up to where the user's message begins (the template's
+    default system turn, if it adds one, and the user header): what the target continues
+    to write a request of its own."""
+    sentinel = "\u2063specdec-user-message\u2063"
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--self-prompts needs a target whose tokenizer has a chat template")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": sentinel}], tokenize=False,
+                                         add_generation_prompt=False)
+    if sentinel not in text:
+        raise ValueError("--self-prompts: the chat template does not render the user's message verbatim")
+    return list(tokenizer(text[:text.index(sentinel)], add_special_tokens=False)["input_ids"])
+
+
+def write_self_prompts(config: DistillConfig, model, tokenizer, *, pad_id: int, eos_ids: list[int], taken: set[str],
+                       deadline: float, new_cache=None) -> dict:
+    """Samples up to config.self_prompts requests from the target (user_turn_prefix, then
+    its own tokens at SELF_PROMPT_TEMPERATURE / SELF_PROMPT_TOP_P) and writes those kept to
+    WORK/SELF_PROMPTS_NAME (JSONL, read back by distill_prompts.read_prompt_file). Kept: a
+    request the target ended with its end-of-turn within SELF_PROMPT_MAX_TOKENS, of at least
+    SELF_PROMPT_MIN_WORDS words, with no special tokens, not in `taken` nor already kept, and
+    off the bench's subjects. Stops at the count, at SELF_PROMPT_MAX_ATTEMPTS rows per
+    request, or at `deadline` (monotonic). Returns the phase's summary."""
+    import torch
+
+    began = time.monotonic()
+    prefix = user_turn_prefix(tokenizer)
+    special = set(tokenizer.all_special_ids)
+    generator = torch.Generator().manual_seed(config.seed * 1_000_003 + SELF_PROMPT_SEED)
+    kept: list[str] = []
+    seen = set(taken)
+    sampled = tokens = 0
+    counts = {"unfinished": 0, "short": 0, "special": 0, "duplicate": 0, "bench_subject": 0}
+    while (len(kept) < config.self_prompts and sampled < SELF_PROMPT_MAX_ATTEMPTS * config.self_prompts
+           and time.monotonic() < deadline):
+        result = teacher_generate(model, [prefix] * config.gen_batch, pad_id=pad_id, eos_ids=eos_ids,
+                                  max_new_tokens=SELF_PROMPT_MAX_TOKENS, top_k=1, sample=True,
+                                  temperature=SELF_PROMPT_TEMPERATURE, top_p=SELF_PROMPT_TOP_P,
+                                  generator=generator, new_cache=new_cache)
+        for answer in result.answers:  # rows past the count are not looked at, nor counted
+            sampled += 1
+            tokens += len(answer)
+            if not answer or answer[-1] not in eos_ids:
+                counts["unfinished"] += 1
+                continue
+            text = tokenizer.decode(answer[:-1], skip_special_tokens=False).strip()
+            reason = ("special" if special.intersection(answer[:-1]) else
+                      "short" if len(text.split()) < SELF_PROMPT_MIN_WORDS else
+                      "duplicate" if text in seen else
+                      "bench_subject" if distill_prompts.excluded(text) else None)
+            if reason:
+                counts[reason] += 1
+                continue
+            seen.add(text)
+            kept.append(text)
+            if len(kept) == config.self_prompts:
+                break
+    path = config.work / SELF_PROMPTS_NAME
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in kept), encoding="utf-8")
+    os.replace(tmp, path)
+    summary = {"wanted": config.self_prompts, "kept": len(kept), "sampled": sampled, "dropped": counts,
+               "tokens": tokens, "seconds": time.monotonic() - began}
+    log.info("the target wrote %d requests of its own (%d sampled, %d tokens, %.0f s); dropped: %s", len(kept),
+             sampled, tokens, summary["seconds"], counts)
+    return summary
+
+
+def read_self_prompts(work: Path) -> list[str] | None:
+    """The requests write_self_prompts kept (None before it has run)."""
+    path = work / SELF_PROMPTS_NAME
+    if not path.exists():
+        return None
+    return distill_prompts.read_prompt_file(path) if path.stat().st_size else []
 
 
 def chat_ids(tokenizer, text: str) -> list[int]:
@@ -412,17 +501,25 @@ def generate_data(config: DistillConfig, target, tokenizer, deadline: float) -> 
 
     data_dir = config.work / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
-    train_texts, heldout_texts = select_prompts(config)
-    prompt_ids = {TRAIN: [chat_ids(tokenizer, t) for t in train_texts],
-                  HELDOUT: [chat_ids(tokenizer, t) for t in heldout_texts]}
-    plan = plan_shards(len(train_texts), len(heldout_texts), config)
     summary_path = config.work / "data.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {
         "shards_done": 0, "seconds": 0.0, "generated_tokens": 0, "prompt_tokens": 0}
-    summary.update(train_prompts=len(train_texts), heldout_prompts=len(heldout_texts), shards_planned=len(plan))
     model, cache_factory = _teacher_for_generation(target)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(target, tokenizer)[0]
     eos_ids = eos_token_ids(target, tokenizer)
+    self_written = read_self_prompts(config.work) if config.self_prompts else []
+    if self_written is None:  # first run: the target writes its requests before any shard (they fix the plan)
+        train_texts, heldout_texts = select_prompts(config)
+        taken = set(train_texts) | set(heldout_texts)
+        summary["self_prompts"] = write_self_prompts(config, model, tokenizer, pad_id=pad_id, eos_ids=eos_ids,
+                                                     taken=taken, deadline=deadline, new_cache=cache_factory)
+        summary_path.write_text(json.dumps(summary, indent=1))
+        self_written = read_self_prompts(config.work)
+    train_texts, heldout_texts = select_prompts(config, self_written)
+    prompt_ids = {TRAIN: [chat_ids(tokenizer, t) for t in train_texts],
+                  HELDOUT: [chat_ids(tokenizer, t) for t in heldout_texts]}
+    plan = plan_shards(len(train_texts), len(heldout_texts), config)
+    summary.update(train_prompts=len(train_texts), heldout_prompts=len(heldout_texts), shards_planned=len(plan))
     # A feature head's aux layers are captured in the generation passes themselves (no
     # teacher-forced pass later for shards generated now).
     aux_layers = tuple(config.aux_layers) if config.kind == EAGLE else ()
@@ -998,7 +1095,7 @@ def _prepare_work_dir(config: DistillConfig) -> None:
                 "samples_per_prompt": config.samples_per_prompt, "temperature": config.temperature,
                 "top_p": config.top_p, "max_new_tokens": config.max_new_tokens, "gen_batch": config.gen_batch,
                 "top_k": config.top_k, "seed": config.seed, "features": config.kind == EAGLE,
-                "prompts_file": _prompts_digest(config.prompts_file),
+                "prompts_file": _prompts_digest(config.prompts_file), "self_prompts": config.self_prompts,
                 "prompt_set": hashlib.sha256("\n".join(p.text for p in distill_prompts.build_prompts())
                                              .encode()).hexdigest()[:16]}
     meta_path = work / "meta.json"
@@ -1007,7 +1104,7 @@ def _prepare_work_dir(config: DistillConfig) -> None:
             raise ValueError(f"work directory {work} is not empty: pass --resume to continue it, "
                              "or choose another --work")
         if meta_path.exists():
-            saved = json.loads(meta_path.read_text())
+            saved = {"self_prompts": 0, **json.loads(meta_path.read_text())}  # work dirs from before the flag
             changed = {k: (saved.get(k), v) for k, v in identity.items() if saved.get(k) != v}
             if changed:
                 raise ValueError(f"--resume with settings that differ from the work directory's: {changed}")
@@ -1023,6 +1120,8 @@ def run(config: DistillConfig) -> dict:
 
     if config.steps is None and config.max_minutes is None:
         raise ValueError("bound the training: give --steps, --max-minutes, or both")
+    if config.self_prompts < 0:
+        raise ValueError(f"--self-prompts {config.self_prompts}: expected 0 or more")
     if config.kind != EAGLE and (config.aux_layers or config.init_from is not None):
         raise ValueError("--aux-layers and --init-from apply to --kind eagle only")
     torch.set_num_threads(config.threads)
@@ -1206,6 +1305,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=Path, default=None, metavar="FILE",
                         help="more training prompts, e.g. your own traffic: one per line, or .jsonl with a "
                              "\"prompt\" string per line; added after the built-in ones (held-out stays built-in)")
+    parser.add_argument("--self-prompts", type=int, default=d.self_prompts, metavar="N",
+                        help="more training prompts written by the target itself (Magpie-style: it continues its "
+                             "chat template up to a user's message); kept ones are stored in the work dir "
+                             "(default %(default)s)")
     parser.add_argument("--heldout-prompts", type=int, default=d.heldout_prompts,
                         help="held-out prompts for evaluation (default %(default)s)")
     parser.add_argument("--samples-per-prompt", type=int, default=d.samples_per_prompt,
@@ -1271,7 +1374,8 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
     return DistillConfig(
         target=args.target, out_dir=args.out, work_dir=args.work, resume=args.resume, layers=args.layers,
         hidden=args.hidden, intermediate=args.intermediate, heads=args.heads, kv_heads=args.kv_heads,
-        train_prompts=args.train_prompts, prompts_file=args.prompts, heldout_prompts=args.heldout_prompts,
+        train_prompts=args.train_prompts, prompts_file=args.prompts, self_prompts=args.self_prompts,
+        heldout_prompts=args.heldout_prompts,
         samples_per_prompt=args.samples_per_prompt, temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch, top_k=args.top_k,
         data_minutes=args.data_minutes, steps=args.steps, batch_size=args.batch_size, lr=args.lr,

@@ -201,6 +201,60 @@ def test_users_prompts_are_added_to_the_training_prompts(tmp_path, target, token
     assert main(args + ["--resume"]) != 0
 
 
+def test_self_written_prompts_are_answered_after_the_built_in_ones(tmp_path, target, tokenizer):
+    """--self-prompts N: the target's own requests (stored in the work dir before any
+    shard) are answered and trained on after the built-in prompts; the count is part of
+    the data's identity, and a negative one is refused."""
+    target_dir = save_model_dir(tmp_path / "target", target, tokenizer)
+    out = tmp_path / "draft"
+    args = tiny_run_args(target_dir, out, 2, "--self-prompts", "40")
+    args[args.index("--train-prompts") + 1] = "4"
+    assert main(args) == 0
+    work = out.with_name(out.name + ".work")
+    written = distill.read_self_prompts(work)
+    summary = json.loads((out / "distill.json").read_text())["data"]["self_prompts"]
+    assert summary["kept"] == len(written) and summary["sampled"] >= 16
+    assert summary["kept"] + sum(summary["dropped"].values()) == summary["sampled"]
+    builtin = [p.text for p in distill_prompts.split(distill_prompts.build_prompts(), "train")][:4]
+    answered = set()
+    for path in (work / "data").glob("*-train-s0.pt"):
+        answered.update(tuple(p) for p in torch.load(path, weights_only=True)["prompts"])
+    assert answered == {tuple(distill.chat_ids(tokenizer, t)) for t in builtin + written}
+    assert main(args + ["--resume"]) == 0  # the stored requests are reused, not rewritten
+    assert distill.read_self_prompts(work) == written
+    args[args.index("--self-prompts") + 1] = "41"
+    assert main(args + ["--resume"]) != 0
+    args[args.index("--self-prompts") + 1] = "-1"
+    assert main(args + ["--out", str(tmp_path / "other")]) != 0  # a fresh work dir, refused before any data
+    assert not (tmp_path / "other.work" / "data").exists()
+
+
+@pytest.mark.slow
+def test_smollm2_writes_distinct_whole_requests_of_its_own(tmp_path):
+    """Magpie-style requests from the real instruction-tuned target: each one a whole user
+    message (ended by the end-of-turn token, no special tokens), distinct, off the bench's
+    subjects and not one already taken; the prefix is how every chat of the target begins."""
+    model, tokenizer = load_model("smollm2-135m")
+    prefix = distill.user_turn_prefix(tokenizer)
+    assert distill.chat_ids(tokenizer, "Hello there")[:len(prefix)] == prefix
+    assert tokenizer.decode(prefix).endswith("user\n")
+    config = distill.DistillConfig(target="smollm2-135m", out_dir=tmp_path / "out", work_dir=tmp_path,
+                                   self_prompts=12, gen_batch=16)
+    taken = {"Can you help me?"}
+    summary = distill.write_self_prompts(config, model, tokenizer, pad_id=tokenizer.pad_token_id,
+                                         eos_ids=eos_token_ids(model, tokenizer), taken=taken,
+                                         deadline=float("inf"))
+    written = distill.read_self_prompts(tmp_path)
+    assert len(written) == summary["kept"] == 12  # SmolLM2 finishes most requests well inside the limit
+    assert summary["kept"] + sum(summary["dropped"].values()) == summary["sampled"]
+    assert len(set(written)) == 12 and not taken & set(written)
+    assert all(len(t.split()) >= distill.SELF_PROMPT_MIN_WORDS for t in written)
+    assert not any(distill_prompts.excluded(t) for t in written)
+    assert not any(s in t for t in written for s in tokenizer.all_special_tokens)
+    # Real requests: most end as a question or an instruction would.
+    assert sum(t.rstrip().endswith(("?", ".", "!")) for t in written) >= 8
+
+
 @pytest.mark.parametrize("name, text, message", [
     ("p.jsonl", '{"prompt": "ok"}\n{"prompt": 3}\n', "p.jsonl:2"),
     ("p.jsonl", "not json\n", "p.jsonl:1: not JSON"),
