@@ -29,7 +29,11 @@ Bounds:
   batcher does not gather: its requests go to the target next;
 - a queued round whose request is cancelled, or whose deadline passes, is dropped before
   its step is sent; a step call's own failure fails each of its rounds as that round's call
-  would have failed, and each request retries on its own (coordinator.workers).
+  would have failed, and each request retries on its own (coordinator.workers);
+- a round already sent is not recalled: the worker runs it, and may create the session's
+  cache in doing so, even when its request was cancelled meanwhile. So a request's worker
+  sessions are released only once no step in flight carries its rounds (`settled`): a
+  Release that overtook the step would leave a cache nobody frees but eviction.
 """
 
 from __future__ import annotations
@@ -100,6 +104,8 @@ class StepBatcher:
         self._awaited: set[str] = set()  # requests answered by the last step, not back yet
         self._all_back = asyncio.Event()
         self._step_s = 0.0  # decayed duration of a step (its call, start to answer)
+        self._in_flight: set[str] = set()  # keys of the rounds in the step being sent
+        self._step_over = asyncio.Event()
 
     @property
     def queued(self) -> int:
@@ -152,6 +158,8 @@ class StepBatcher:
                 continue
             timeout = max(q.deadline for q in step) - now
             began = loop.time()
+            self._in_flight = {q.key for q in step}
+            self._step_over.clear()
             try:
                 response = await self._send([q.request for q in step], timeout)
             except asyncio.CancelledError:
@@ -170,6 +178,9 @@ class StepBatcher:
                     if not q.future.done():
                         q.future.set_exception(RoundFailed(grpc.StatusCode.UNAVAILABLE, str(exc)))
                 continue
+            finally:
+                self._in_flight = set()
+                self._step_over.set()
             self.steps += 1
             took = loop.time() - began
             self._step_s = took if self.steps == 1 else STEP_TIME_DECAY * self._step_s + (1 - STEP_TIME_DECAY) * took
@@ -188,6 +199,12 @@ class StepBatcher:
                     if q.key and self.gather:
                         self._awaited.add(q.key)
             await self._gather()
+
+    async def settled(self, key: str) -> None:
+        """Returns once no step in flight carries a round of `key` (the worker has answered
+        it, or the call failed): a Release sent after this cannot overtake the round."""
+        while key in self._in_flight:
+            await self._step_over.wait()
 
     def forget(self, key: str) -> None:
         """The request is back (or finished): the step need not wait for it."""

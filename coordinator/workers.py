@@ -233,6 +233,14 @@ class WorkerClient:
 
     async def release(self, session: WorkerSession) -> None:
         for address in session.used:
+            batcher = self._batchers.get(address)
+            if batcher is not None:
+                # A round sent before the request ended still runs there: release after it.
+                try:
+                    await asyncio.wait_for(batcher.settled(session.key), RELEASE_TIMEOUT_S)
+                except TimeoutError:
+                    log.info("%s step carrying %s still in flight after %g s; releasing anyway", self.kind,
+                             session.session_id, RELEASE_TIMEOUT_S)
             replica = self.pool.replicas.get(address)
             if replica is not None:
                 await self._release_on(replica, session.session_id)

@@ -191,6 +191,42 @@ def test_step_batcher_budget_fifo_cancellation_and_failures():
     assert isinstance(failing[0], RoundFailed) and failing[0].code() == grpc.StatusCode.UNAVAILABLE
 
 
+def test_a_cancelled_requests_release_waits_for_the_step_carrying_its_round():
+    """A sent round is not recalled: the worker runs it (creating the session's cache) even
+    when its request is cancelled meanwhile, so the release must come after the step's answer."""
+    async def scenario():
+        answer = asyncio.Event()
+        order: list[str] = []
+
+        async def send(requests, timeout_s):
+            order.append("step sent")
+            await answer.wait()
+            order.append("step answered")
+            return FakeResponse(list(requests))
+
+        batcher = StepBatcher("target", send, token_budget=100, max_rounds=4)
+        round_ = asyncio.ensure_future(batcher.submit("r", 1, 5.0, key="gen-1"))
+        await asyncio.sleep(0.01)  # the step is in flight
+        round_.cancel()
+        await asyncio.sleep(0)
+
+        async def release():
+            await batcher.settled("gen-1")
+            order.append("released")
+
+        releasing = asyncio.ensure_future(release())
+        await batcher.settled("other")  # a request with no round in the step need not wait
+        await asyncio.sleep(0.02)
+        waited = not releasing.done()
+        answer.set()
+        await asyncio.wait_for(releasing, 1.0)
+        return waited, order
+
+    waited, order = run(scenario())
+    assert waited, "the release did not wait for the step in flight"
+    assert order == ["step sent", "step answered", "released"]
+
+
 @pytest.mark.parametrize("gather", [False, True])
 def test_requests_answered_by_a_step_share_the_next_one_instead_of_leapfrogging(gather):
     async def scenario():
