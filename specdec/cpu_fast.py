@@ -182,8 +182,8 @@ def fast_cpu_model(model: torch.nn.Module, pack_linears: bool = True, gqa_attent
 
 def serving_lm(model: torch.nn.Module, enabled: bool = True) -> CausalLM:
     """The CausalLM a worker serves `model` with: the fast path when enabled and the model
-    can take it, else the model as it is."""
-    if enabled:
+    can take it, else the model as it is (and always on a GPU: the fast path is oneDNN's)."""
+    if enabled and next(model.parameters()).device.type == "cpu":
         fast = fast_cpu_model(model)
         if fast is not model:
             if agrees(model, fast):

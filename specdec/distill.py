@@ -395,12 +395,15 @@ def teacher_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: l
         return capture
 
     handles = [model.model.layers[i].register_forward_hook(hook(i)) for i in aux_layers]
+    from specdec.lm import cache_kwarg
+
+    cache_key = cache_kwarg(model.model)
 
     def forward(input_ids, attention_mask, position_ids):
         """Logits of the last position [b, V], the last hidden states [b, n, H], and the aux
         layers' outputs [b, n, H·a] (None without aux layers)."""
         hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             cache=cache, use_cache=True).last_hidden_state  # [b, n, H]
+                             use_cache=True, **{cache_key: cache}).last_hidden_state  # [b, n, H]
         aux = torch.cat([captured.pop(i) for i in aux_layers], -1) if aux_layers else None
         return model.lm_head(hidden[:, -1]).float(), hidden, aux
 

@@ -261,13 +261,15 @@ class EagleHead(torch.nn.Module):
         them, tokens) on top of the cache; returns the predicted features [n, H]."""
         n = len(tokens)
         start = cache.length
-        positions = torch.arange(start, start + n)
-        x = self.inputs(features[None].to(self.fc.weight.dtype), torch.tensor([tokens]))  # [1, n, H]
+        device = self.embed.device  # the target's (a head on a GPU target runs on that GPU)
+        positions = torch.arange(start, start + n, device=device)
+        x = self.inputs(features[None].to(device=device, dtype=self.fc.weight.dtype),
+                        torch.tensor([tokens], device=device))  # [1, n, H]
         q, k, v = self.qkv(x, positions)
         keys, values = cache.append(k[0], v[0])  # [kv_heads, L, d]
         mask = None
         if n > 1:
-            mask = torch.arange(start + n)[None, :] <= positions[:, None]  # [n, L]
+            mask = torch.arange(start + n, device=device)[None, :] <= positions[:, None]  # [n, L]
         attended = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask, enable_gqa=True)
         return self.finish(x, attended)[0]
 
@@ -278,9 +280,9 @@ class HeadCache:
 
     BLOCK = 256
 
-    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype):
-        self.keys = torch.empty((kv_heads, 0, head_dim), dtype=dtype)
-        self.values = torch.empty((kv_heads, 0, head_dim), dtype=dtype)
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.keys = torch.empty((kv_heads, 0, head_dim), dtype=dtype, device=device)
+        self.values = torch.empty((kv_heads, 0, head_dim), dtype=dtype, device=device)
         self.length = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor):
@@ -407,7 +409,8 @@ def new_config(target, target_spec: str, draft_vocab_size: int, intermediate: in
 
 def build(config: EagleConfig, target, draft_vocab: torch.Tensor) -> EagleHead:
     embed, head = target_parts(target)
-    return EagleHead(config, embed, head[draft_vocab.long()].clone(), draft_vocab)
+    draft_vocab = draft_vocab.long().to(embed.device)
+    return EagleHead(config, embed, head[draft_vocab].clone(), draft_vocab).to(embed.device)
 
 
 def save(head: EagleHead, directory: Path, dtype: torch.dtype = torch.bfloat16) -> None:

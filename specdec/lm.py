@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager
+import inspect
 import logging
 from typing import Any
 
@@ -16,6 +17,15 @@ import torch
 from specdec.sessions import Session, SyncedContext
 
 log = logging.getLogger(__name__)
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword a model's forward takes its KV cache by: `cache` in recent transformers 5
+    releases, `past_key_values` before (both are 5.x, which pyproject allows). An unknown
+    keyword is swallowed by the forward's **kwargs and the cache silently not used — every
+    round then fails with "cache and ids out of step" — so ask the signature."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 class CausalLM:
@@ -27,6 +37,7 @@ class CausalLM:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self._ragged: bool | None = None  # whether feed_batch packs sessions; None: not yet checked
+        self._cache_kwarg = cache_kwarg(model)
 
     @property
     def bytes_per_token(self) -> int:
@@ -126,8 +137,8 @@ class CausalLM:
         assert session.cache.get_seq_length() == len(session.ids), "cache and ids out of step"
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
         try:
-            out = self.model(input_ids=input_ids, cache=session.cache, use_cache=True,
-                             logits_to_keep=logits_to_keep)
+            out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=logits_to_keep,
+                             **{self._cache_kwarg: session.cache})
         except BaseException:
             # Some layers may have grown and others not: the cache is no longer trustworthy.
             # Forget it, so the next round asks the coordinator for a resync and rebuilds.

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from specdec.lm import cache_kwarg
+
 # The batch being run by the forward pass in progress on this thread, if any.
 _ACTIVE: contextvars.ContextVar[RaggedBatch | None] = contextvars.ContextVar("specdec_ragged_batch", default=None)
 
@@ -149,9 +151,9 @@ def packed_forward(model: torch.nn.Module, caches: list, token_lists: list[list[
     placeholder_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
     token = _ACTIVE.set(batch)
     try:
-        out = model(input_ids=input_ids, cache=RaggedCache(batch), use_cache=True,
-                    position_ids=batch.position_ids(device), attention_mask=placeholder_mask,
-                    logits_to_keep=rows)
+        out = model(input_ids=input_ids, use_cache=True, position_ids=batch.position_ids(device),
+                    attention_mask=placeholder_mask, logits_to_keep=rows,
+                    **{cache_kwarg(model): RaggedCache(batch)})
     finally:
         _ACTIVE.reset(token)
     logits = out.logits[0].float()  # [Σ keep, V]

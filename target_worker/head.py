@@ -101,6 +101,8 @@ def load_inline_head(spec: str | None, target, head=None, fast: bool = True,
             raise InvalidArgument(f"--head {spec!r} is not a feature-level head directory (config.json with "
                                   f"specdec_draft: {eagle.KIND!r})")
         head = eagle.load(spec, target=target)
+    # The head reads the states the target's verification just computed: it runs where they are.
+    head = head.to(next(target.parameters()).device)
     if fast:
         head = eagle.fast_cpu_head(head)
     chain = MIN_CHAIN_PROB if min_chain_prob is None else min_chain_prob

@@ -139,7 +139,7 @@ class Verifier:
                             context = synced.context + rounds[i].drafts[:accepted_n] + [next_id]
                             next_drafts = tuple(self.head.draft(synced.session, context, rounds[i].draft_next))
                     # On the wire: the final hidden states only (what WorkerInfo.feature_size says).
-                    feature_bytes = states[:, :self.lm.feature_size].contiguous().numpy().tobytes() \
+                    feature_bytes = states[:, :self.lm.feature_size].cpu().contiguous().numpy().tobytes() \
                         if rounds[i].features else b""
                     feature_start = feature_start if rounds[i].features else 0
                 results[i] = Verdict(accepted_n, next_id, committed, 0.0, feature_start, feature_bytes, next_drafts)

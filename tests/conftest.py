@@ -6,7 +6,10 @@ kernel module is imported: that is why it is set here, at the very top, before t
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# SPECDEC_TEST_DEVICE=cuda runs the tiny models of the service tests on a GPU, with the
+# Triton kernels compiled (the CPU's interpreter stays off); see tests/factories.py.
+if not os.environ.get("SPECDEC_TEST_DEVICE", "cpu").startswith("cuda"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

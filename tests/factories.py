@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import os
+
 import torch
 
+# Where the tiny models run: "cpu" here and in CI; "cuda" to check the services and the
+# compiled Triton kernels on a GPU (SPECDEC_TEST_DEVICE=cuda pytest tests/test_services.py ...).
+TEST_DEVICE = os.environ.get("SPECDEC_TEST_DEVICE", "cpu")
 TINY_VOCAB = 320
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -55,7 +60,7 @@ def make_tiny_model(tokenizer, seed: int = 0, layers: int = 2, hidden: int = 64,
     # step-by-step forward passes.
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
-    return model.eval()
+    return model.to(TEST_DEVICE).eval()
 
 
 def save_model_dir(path: Path, model, tokenizer) -> Path:

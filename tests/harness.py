@@ -161,8 +161,10 @@ def reference_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_ids=
     """The target alone: HF generate, greedy; generated ids only, EOS included when hit."""
     # Passing eos_token_id=None would switch EOS off; leave it to the generation config.
     extra = {} if eos_ids is None else {"eos_token_id": eos_ids}
+    device = model.device
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        out = model.generate(torch.tensor([prompt_ids], device=device),
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device),
                              do_sample=False, max_new_tokens=max_new_tokens, **extra)
     return out[0, len(prompt_ids):].tolist()
 
@@ -187,12 +189,14 @@ def reference_sample(model, prompt_ids: list[int], max_new_tokens: int, temperat
 
     ids = list(prompt_ids)
     out: list[int] = []
+    device = model.device
     with torch.inference_mode():
         for _ in range(max_new_tokens):
-            logits = model(torch.tensor([ids])).logits[0, -1:].float()  # [1, V]
-            probs = warp_probs_ref(logits, torch.tensor([temperature]), torch.tensor([top_k]),
-                                   torch.tensor([top_p]))  # [1, V]
-            u = philox_uniforms(torch.tensor([seed]), torch.tensor([[len(ids)]]), STREAM_SAMPLE)[:, 0]  # [1]
+            logits = model(torch.tensor([ids], device=device)).logits[0, -1:].float()  # [1, V]
+            probs = warp_probs_ref(logits, torch.tensor([temperature], device=device),
+                                   torch.tensor([top_k], device=device), torch.tensor([top_p], device=device))  # [1, V]
+            u = philox_uniforms(torch.tensor([seed], device=device), torch.tensor([[len(ids)]], device=device),
+                                STREAM_SAMPLE)[:, 0]  # [1]
             token = int(sample_weights(probability_weights(probs), u)[0])
             ids.append(token)
             out.append(token)

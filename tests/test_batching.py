@@ -18,12 +18,13 @@ from draft_worker.propose import Proposer, Request
 from specdec.client import Client, make_request
 from specdec.cpu_fast import serving_lm
 from specdec.errors import InvalidArgument
+from specdec.lm import CausalLM, cache_kwarg
 from specdec.models import NGRAM
 from specdec.ragged import supports_ragged
 from specdec.sampling import Sampling
 from specdec.sessions import Resync, Session, SessionStore
 from target_worker.verify import Round, Verdict, Verifier
-from tests.factories import make_tiny_model
+from tests.factories import TEST_DEVICE, make_tiny_model
 from tests.harness import reference_greedy, reference_sample, run, running_stack
 from tests.test_services import PROMPTS, chat_ids, other_draft, target, tokenizer  # noqa: F401 (fixtures)
 
@@ -49,6 +50,12 @@ def fresh_sessions(lm, contexts: list[list[int]]) -> list[Session]:
 # The packed forward
 
 
+# The packed forward runs with the CPU fast path's attention function (specdec.cpu_fast); on
+# a GPU the model is served as it is and batched rounds run one session at a time.
+cpu_only = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the packed forward is the CPU fast path's")
+
+
+@cpu_only
 def test_packed_forward_equals_each_session_alone(target):
     lm = serving_lm(target)
     assert lm.batches_in_one_pass
@@ -74,6 +81,7 @@ def test_packed_forward_equals_each_session_alone(target):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(a.abs().max()))
 
 
+@cpu_only
 def test_packed_forward_after_rollback_and_a_failure_forgets_the_batch(target):
     lm = serving_lm(target)
     sessions = fresh_sessions(lm, [tokens(20, 1), tokens(30, 2)])
@@ -88,6 +96,7 @@ def test_packed_forward_after_rollback_and_a_failure_forgets_the_batch(target):
     assert all(s.cache is None and s.ids == [] for s in sessions)  # rebuilt on the next round
 
 
+@cpu_only
 def test_sliding_window_models_fall_back_to_one_session_at_a_time(tokenizer):
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -106,6 +115,34 @@ def test_sliding_window_models_fall_back_to_one_session_at_a_time(tokenizer):
 
 # ---------------------------------------------------------------------------------------
 # Batched worker calls
+
+
+class PastKeyValuesModel(torch.nn.Module):
+    """A causal LM as transformers 5 releases before the `cache` keyword run one: its forward
+    takes the KV cache as past_key_values (and swallows unknown keywords)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+        self.config = model.config
+
+    def forward(self, input_ids=None, past_key_values=None, use_cache=None, logits_to_keep=0, **kwargs):
+        return self.inner(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep,
+                          **{cache_kwarg(self.inner): past_key_values}, **kwargs)
+
+
+def test_a_model_that_takes_its_cache_as_past_key_values_keeps_it(target):
+    """The cache goes by the keyword the model's forward names: by another, it would be
+    dropped silently and every round after the first fail ("cache and ids out of step")."""
+    older, plain = CausalLM(PastKeyValuesModel(target)), CausalLM(target)
+    assert cache_kwarg(older.model) == "past_key_values"
+    context, more = tokens(20, 11), tokens(3, 12)
+    results = []
+    for lm in (older, plain):
+        session = fresh_sessions(lm, [context])[0]
+        results.append(lm.feed(session, more, 3))
+        assert session.cache.get_seq_length() == len(session.ids) == 23
+    torch.testing.assert_close(results[0], results[1])
 
 
 def test_verify_batch_decides_each_round_as_alone_and_isolates_bad_rounds(target):

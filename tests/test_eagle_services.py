@@ -47,7 +47,7 @@ def make_head(target, seed: int = 0) -> eagle.EagleHead:
 def hidden_states(target, ids: list[int]) -> torch.Tensor:
     """The target's final hidden states of a whole sequence, [len, H] float16."""
     with torch.inference_mode():
-        return target.model(input_ids=torch.tensor([ids])).last_hidden_state[0].to(torch.float16)
+        return target.model(input_ids=torch.tensor([ids], device=target.device)).last_hidden_state[0].to(torch.float16)
 
 
 def recording(drafter):

@@ -102,7 +102,8 @@ class EagleDrafter:
         head, session, context = self.head, synced.session, synced.context
         cache = session.cache
         if cache is None:
-            cache = session.cache = HeadCache(head.config.num_kv_heads, head.config.head_dim, head.fc.weight.dtype)
+            cache = session.cache = HeadCache(head.config.num_kv_heads, head.config.head_dim, head.fc.weight.dtype,
+                                              head.embed.device)
             cache.trusted = 0
             session.ids = []
         # Keep only entries of committed positions fed with true features (and never the
@@ -115,7 +116,7 @@ class EagleDrafter:
         rows = features.cover(max(keep - 1, 0), len(context) - 1) if features is not None else None
         if rows is None:
             return Resync(cached_len=keep)
-        rows = rows.to(head.fc.weight.dtype)
+        rows = rows.to(device=head.embed.device, dtype=head.fc.weight.dtype)
         if keep == 0:  # position 0 has no feature before it
             rows = torch.cat([rows.new_zeros((1, rows.shape[1])), rows])
         fed = context[keep:]

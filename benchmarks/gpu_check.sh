@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, in one run (CI has none; run this where one is):
+#  1. every Triton kernel compiled for the GPU against its torch reference, on a grid of
+#     vocabulary sizes, batch sizes and k, and timed (benchmarks/kernels_gpu.py);
+#  2. the service tests with their tiny models on the GPU (SPECDEC_TEST_DEVICE=cuda):
+#     greedy output equal to the target alone, seeded sampling equal to the target's own
+#     sampler, the sampled-distribution test, continuous batching, the draft head next to
+#     the target — with the compiled kernels instead of the CPU's interpreter.
+#
+#     benchmarks/gpu_check.sh OUT_DIR
+#
+# Writes OUT_DIR/device.txt, kernels_gpu.json (+ .log) and pytest_cuda.log; exits non-zero
+# if either check failed.
+set -uo pipefail
+out=${1:-gpu-check}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+unset TRITON_INTERPRET
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python=${PYTHON:-python3}
+
+{ nvidia-smi -L; "$python" -c "import torch, triton, transformers, grpc, google.protobuf as pb
+print('torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__,
+      '| grpcio', grpc.__version__, '| protobuf', pb.__version__, '|', torch.cuda.get_device_name())"; } \
+    2>&1 | tee "$out/device.txt"
+
+timeout "${KERNELS_TIMEOUT_S:-240}" "$python" benchmarks/kernels_gpu.py \
+    >"$out/kernels_gpu.json" 2>"$out/kernels_gpu.log"
+kernels=$?
+echo "kernels_gpu.py: exit $kernels"
+"$python" - "$out/kernels_gpu.json" <<'EOF' || true
+import json, sys
+report = json.load(open(sys.argv[1]))
+print(f"all_match={report['all_match']} on {report['device']}")
+for r in report["results"]:
+    print(f"{r['kernel']:17s} V={r['V']:6d} B={r['B']:2d} k={r['k']}: match={r['match']} "
+          f"triton {r['triton_ms']:.4f} ms ({r['triton_GBps']} GB/s) torch {r['torch_ms']:.4f} ms x{r['speedup']}")
+EOF
+
+SPECDEC_TEST_DEVICE=cuda timeout "${TESTS_TIMEOUT_S:-300}" "$python" -m pytest -q -p no:cacheprovider -m "not slow" \
+    ${PYTEST_ARGS:-} tests/test_services.py tests/test_sampling_services.py tests/test_seeded_determinism.py \
+    tests/test_batching.py tests/test_inline_head.py tests/test_eagle_services.py 2>&1 | tee "$out/pytest_cuda.log" | tail -40
+tests=${PIPESTATUS[0]}
+echo "pytest on cuda: exit $tests"
+[ "$kernels" -eq 0 ] && [ "$tests" -eq 0 ]
