@@ -154,6 +154,9 @@ class DistillConfig:
     """Weight of the cross-entropy on the target's greedy token, beside the top-K soft loss."""
     bf16: bool = True
     """bf16 autocast for the training forward/backward on CPU (weights stay fp32)."""
+    bf16_logits: bool = False
+    """--kind eagle: the head's draft-vocabulary LM head under bf16 autocast too (with bf16):
+    1.19x faster steps, the same held-out agreement after 160 steps (benchmarks/head_train_step.py)."""
     log_every: int = 25
     """Steps between loss lines."""
     eval_every: int = 200
@@ -914,7 +917,7 @@ def train(config: DistillConfig, student, train_set: list, heldout: list, pad_id
                 batch = distill_eagle.collate([train_set[i] for i in picked], pad_id, index_of,
                                               student.config.hidden_size)
                 loss, parts = distill_eagle.step_loss(student, batch, config.unroll, config.hard_weight,
-                                                      config.feature_weight, config.bf16)
+                                                      config.feature_weight, config.bf16, config.bf16_logits)
             else:
                 batch = collate([train_set[i] for i in picked], pad_id)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
@@ -1335,6 +1338,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hard-weight", type=float, default=d.hard_weight,
                         help="weight of the cross-entropy on the target's greedy token (default %(default)s)")
     parser.add_argument("--no-bf16", action="store_true", help="train in fp32 (default: bf16 autocast)")
+    parser.add_argument("--bf16-logits", action="store_true",
+                        help="--kind eagle: the head's LM head in bf16 too (~1.2x faster steps; default: fp32)")
     parser.add_argument("--log-every", type=int, default=d.log_every, help="default %(default)s")
     parser.add_argument("--eval-every", type=int, default=d.eval_every, help="default %(default)s")
     parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="default %(default)s")
@@ -1382,7 +1387,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
         samples_per_prompt=args.samples_per_prompt, temperature=args.temperature, top_p=args.top_p,
         max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch, top_k=args.top_k,
         data_minutes=args.data_minutes, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-        warmup_steps=args.warmup_steps, hard_weight=args.hard_weight, bf16=not args.no_bf16,
+        warmup_steps=args.warmup_steps, hard_weight=args.hard_weight, bf16=not args.no_bf16, bf16_logits=args.bf16_logits,
         log_every=args.log_every, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
         max_minutes=args.max_minutes, threads=args.threads, seed=args.seed, progress=not args.no_progress,
         command=command, kind=args.kind, draft_vocab=args.draft_vocab, unroll=args.unroll,

@@ -207,7 +207,10 @@ def collate(examples: list[EagleExample], pad_id: int, index_of: torch.Tensor, h
 
 
 def step_loss(head: eagle.EagleHead, batch: EagleBatch, unroll: int, hard_weight: float, feature_weight: float,
-              bf16: bool) -> tuple[torch.Tensor, dict]:
+              bf16: bool, bf16_logits: bool = False) -> tuple[torch.Tensor, dict]:
+    """bf16: the head's layer under bf16 autocast; bf16_logits: its draft-vocabulary LM head
+    too (the largest product of a step: [answer positions, H] × [H, Vd] per unrolled step,
+    forward and backward), with the logits rounded to bf16 before the fp32 loss."""
     from specdec.distill import topk_distill_loss
 
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -219,7 +222,11 @@ def step_loss(head: eagle.EagleHead, batch: EagleBatch, unroll: int, hard_weight
     for s, out in enumerate(outputs, start=1):
         weight = STEP_DECAY ** (s - 1)
         flat = out.reshape(-1, out.shape[-1])
-        logits = head.logits(flat[batch.rows].float())  # [N, Vd]
+        if bf16 and bf16_logits:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = (flat[batch.rows] @ head.head.T).float()  # [N, Vd]
+        else:
+            logits = head.logits(flat[batch.rows].float())  # [N, Vd]
         soft, hard = topk_distill_loss(logits, batch.topk_index, batch.topk_probs)
         hard = (hard * batch.hard_ok).sum() / hard_n
         mask = batch.reg_mask.clone()

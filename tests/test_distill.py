@@ -362,6 +362,31 @@ def test_eagle_distill_lowers_the_loss_and_resumes(distilled_eagle):
     assert "sim_alpha" in record["final"] and record["cost"]["c"] > 0
 
 
+def test_bf16_logits_give_the_fp32_loss_and_gradient_within_bf16_rounding(distilled_eagle):
+    """--bf16-logits only rounds the draft-vocabulary logits: the loss and the gradient are
+    the fp32-logits ones to bf16 precision (a wrong product or a dropped gradient is not)."""
+    from specdec import distill_eagle, eagle
+
+    work = distilled_eagle["out"].with_name(distilled_eagle["out"].name + ".work")
+    examples = distill_eagle.load_examples(work, distill_prompts.TRAIN)[:8]
+    head = eagle.load(distilled_eagle["out"])
+    vocab = distilled_eagle["vocab"]
+    index_of = torch.full((int(head.embed.shape[0]),), -1, dtype=torch.long)
+    index_of[vocab] = torch.arange(len(vocab))
+    batch = distill_eagle.collate(examples, 0, index_of, head.config.hidden_size)
+    results = []
+    for bf16_logits in (False, True):
+        head.zero_grad(set_to_none=True)
+        loss, _ = distill_eagle.step_loss(head, batch, 2, 0.5, 1.0, True, bf16_logits)
+        loss.backward()
+        grad = torch.cat([p.grad.flatten() for p in head.parameters() if p.grad is not None])
+        results.append((float(loss.detach()), grad))
+    (loss32, grad32), (loss16, grad16) = results
+    assert abs(loss16 - loss32) <= 1e-2 * abs(loss32)
+    assert float(torch.nn.functional.cosine_similarity(grad16, grad32, dim=0)) > 0.99
+    assert grad16.shape == grad32.shape and float(grad16.abs().sum()) > 0
+
+
 def test_eagle_output_loads_as_a_head_reading_its_target(distilled_eagle):
     from specdec import eagle
 
@@ -407,7 +432,7 @@ def distilled_aux(tmp_path_factory, distilled_eagle):
         shutil.copy(source / name, work / name)
     out = root / "head"
     extra = ("--kind", "eagle", "--draft-vocab", "96", "--unroll", "2", "--lr", "3e-3", "--work", str(work),
-             "--resume", "--aux-layers", "0", "--init-from", str(distilled_eagle["out"]))
+             "--resume", "--aux-layers", "0", "--init-from", str(distilled_eagle["out"]), "--bf16-logits")
     assert main(tiny_run_args(distilled_eagle["target_dir"], out, AUX_STEPS, *extra)) == 0
     return {"out": out, "work": work, "record": json.loads((out / "distill.json").read_text())}
 
@@ -417,6 +442,7 @@ def test_a_head_reading_aux_layers_trains_from_a_warm_start(distilled_aux, disti
 
     record = distilled_aux["record"]
     assert record["student"]["aux_layers"] == [0]
+    assert record["config"]["bf16_logits"] is True  # this run's LM head trained under bf16 too
     shards = sorted(p.name for p in (distilled_aux["work"] / "data").iterdir())
     assert sorted(p.name for p in (distilled_aux["work"] / "aux-0").iterdir()) == shards
     # Started from the trained head: its first losses are near where that head ended, far
