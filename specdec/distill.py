@@ -154,6 +154,10 @@ class DistillConfig:
     """Weight of the cross-entropy on the target's greedy token, beside the top-K soft loss."""
     bf16: bool = True
     """bf16 autocast for the training forward/backward on CPU (weights stay fp32)."""
+    teacher_dtype: str = "float32"
+    """Dtype the target answers the training prompts in: "bfloat16" answers ~1.5x faster on a
+    CPU with AVX512-BF16 (benchmarks/teacher_bf16.py) but differs from the fp32 target at
+    near-ties; held-out answers always come from the target as loaded (what is served)."""
     bf16_logits: bool = False
     """--kind eagle: the head's draft-vocabulary LM head under bf16 autocast too (with bf16):
     1.19x faster steps, the same held-out agreement after 160 steps (benchmarks/head_train_step.py)."""
@@ -479,11 +483,18 @@ def _generate_loop(model, prompts, forward, cache, ids, mask, positions, longest
                       for row in range(batch)] if out_aux is not None else None)
 
 
-def _teacher_for_generation(target):
+def _teacher_for_generation(target, dtype: str = "float32"):
     """(model, cache factory) for generation: the CPU fast path (packed linears, buffered KV
-    caches) when it applies and agrees with the plain model, else the model as it is."""
+    caches) when it applies and agrees with the plain model, else the model as it is; with
+    dtype "bfloat16", a bfloat16 copy of the target (stock modules: the packing is fp32's)."""
+    import copy
+
+    import torch
+
     from specdec.cpu_fast import agrees, fast_cpu_model, new_cache
 
+    if dtype == "bfloat16":
+        return copy.deepcopy(target).to(torch.bfloat16).eval(), None
     fast = fast_cpu_model(target)
     if fast is not target and agrees(target, fast):
         return fast, new_cache
@@ -510,7 +521,9 @@ def generate_data(config: DistillConfig, target, tokenizer, deadline: float) -> 
     summary_path = config.work / "data.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {
         "shards_done": 0, "seconds": 0.0, "generated_tokens": 0, "prompt_tokens": 0}
-    model, cache_factory = _teacher_for_generation(target)
+    model, cache_factory = _teacher_for_generation(target, config.teacher_dtype)
+    # Held-out answers measure agreement with the target as served: always from it.
+    served = (model, cache_factory) if config.teacher_dtype == "float32" else _teacher_for_generation(target)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(target, tokenizer)[0]
     eos_ids = eos_token_ids(target, tokenizer)
     self_written = read_self_prompts(config.work) if config.self_prompts else []
@@ -541,10 +554,11 @@ def generate_data(config: DistillConfig, target, tokenizer, deadline: float) -> 
         began = time.monotonic()
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + shard.index)
         batch = [prompt_ids[shard.split][i] for i in shard.prompts]
-        result = teacher_generate(model, batch, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=config.max_new_tokens,
+        teacher, teacher_cache = served if shard.split == HELDOUT else (model, cache_factory)
+        result = teacher_generate(teacher, batch, pad_id=pad_id, eos_ids=eos_ids, max_new_tokens=config.max_new_tokens,
                                   top_k=config.top_k, sample=shard.sample != GREEDY_SAMPLE,
                                   temperature=config.temperature, top_p=config.top_p, generator=generator,
-                                  new_cache=cache_factory, features=config.kind == EAGLE,
+                                  new_cache=teacher_cache, features=config.kind == EAGLE,
                                   aux_layers=aux_layers)
         stored = {"shard": asdict(shard), **asdict(result)}
         if aux_layers:  # beside the shard, as extract_aux would write it (written first: a shard implies it)
@@ -1102,6 +1116,7 @@ def _prepare_work_dir(config: DistillConfig) -> None:
                 "top_p": config.top_p, "max_new_tokens": config.max_new_tokens, "gen_batch": config.gen_batch,
                 "top_k": config.top_k, "seed": config.seed, "features": config.kind == EAGLE,
                 "prompts_file": _prompts_digest(config.prompts_file), "self_prompts": config.self_prompts,
+                "teacher_dtype": config.teacher_dtype,
                 "prompt_set": hashlib.sha256("\n".join(p.text for p in distill_prompts.build_prompts())
                                              .encode()).hexdigest()[:16]}
     meta_path = work / "meta.json"
@@ -1110,7 +1125,8 @@ def _prepare_work_dir(config: DistillConfig) -> None:
             raise ValueError(f"work directory {work} is not empty: pass --resume to continue it, "
                              "or choose another --work")
         if meta_path.exists():
-            saved = {"self_prompts": 0, **json.loads(meta_path.read_text())}  # work dirs from before the flag
+            # work dirs from before these flags
+            saved = {"self_prompts": 0, "teacher_dtype": "float32", **json.loads(meta_path.read_text())}
             changed = {k: (saved.get(k), v) for k, v in identity.items() if saved.get(k) != v}
             if changed:
                 raise ValueError(f"--resume with settings that differ from the work directory's: {changed}")
@@ -1338,6 +1354,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hard-weight", type=float, default=d.hard_weight,
                         help="weight of the cross-entropy on the target's greedy token (default %(default)s)")
     parser.add_argument("--no-bf16", action="store_true", help="train in fp32 (default: bf16 autocast)")
+    parser.add_argument("--teacher-dtype", choices=("float32", "bfloat16"), default=d.teacher_dtype,
+                        help="dtype the target answers the training prompts in (held-out: always as loaded; "
+                             "default %(default)s)")
     parser.add_argument("--bf16-logits", action="store_true",
                         help="--kind eagle: the head's LM head in bf16 too (~1.2x faster steps; default: fp32)")
     parser.add_argument("--log-every", type=int, default=d.log_every, help="default %(default)s")
@@ -1388,6 +1407,7 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
         max_new_tokens=args.max_new_tokens, gen_batch=args.gen_batch, top_k=args.top_k,
         data_minutes=args.data_minutes, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
         warmup_steps=args.warmup_steps, hard_weight=args.hard_weight, bf16=not args.no_bf16, bf16_logits=args.bf16_logits,
+        teacher_dtype=args.teacher_dtype,
         log_every=args.log_every, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
         max_minutes=args.max_minutes, threads=args.threads, seed=args.seed, progress=not args.no_progress,
         command=command, kind=args.kind, draft_vocab=args.draft_vocab, unroll=args.unroll,

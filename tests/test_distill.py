@@ -229,6 +229,32 @@ def test_self_written_prompts_are_answered_after_the_built_in_ones(tmp_path, tar
     assert not (tmp_path / "other.work" / "data").exists()
 
 
+def test_a_bfloat16_teacher_answers_the_training_prompts_and_the_served_target_the_held_out(
+        tmp_path, target, tokenizer):
+    """--teacher-dtype bfloat16: training answers come from a bfloat16 copy of the target
+    (faster on CPUs with bf16 dot products), held-out answers still from the target as
+    loaded, so agreement is measured against what is served; the dtype is part of the
+    data's identity."""
+    target_dir = save_model_dir(tmp_path / "target", target, tokenizer)
+    shards = {}
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / dtype
+        args = tiny_run_args(target_dir, out, 2, "--teacher-dtype", dtype)
+        assert main(args) == 0
+        assert json.loads((out / "distill.json").read_text())["config"]["teacher_dtype"] == dtype
+        data = out.with_name(out.name + ".work") / "data"
+        shards[dtype] = {p.name: torch.load(p, weights_only=True) for p in data.glob("*-s0.pt")}
+    assert shards["float32"].keys() == shards["bfloat16"].keys()
+    for name, fp32 in shards["float32"].items():
+        bf16 = shards["bfloat16"][name]
+        assert bf16["prompts"] == fp32["prompts"]
+        same = all(torch.equal(a, b) for a, b in zip(fp32["topk_logprobs"], bf16["topk_logprobs"]))
+        assert same == ("-heldout-" in name), name  # bf16 log-probs differ from fp32's; held-out ones do not
+    assert main(args + ["--resume"]) == 0
+    args[args.index("--teacher-dtype") + 1] = "float32"
+    assert main(args + ["--resume"]) != 0  # other data: refused
+
+
 @pytest.mark.slow
 def test_smollm2_writes_distinct_whole_requests_of_its_own(tmp_path):
     """Magpie-style requests from the real instruction-tuned target: each one a whole user
