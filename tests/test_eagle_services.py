@@ -45,9 +45,11 @@ def make_head(target, seed: int = 0) -> eagle.EagleHead:
 
 
 def hidden_states(target, ids: list[int]) -> torch.Tensor:
-    """The target's final hidden states of a whole sequence, [len, H] float16."""
+    """The target's final hidden states of a whole sequence, [len, H] float16, on the CPU (where
+    features arrive from the wire), whatever device the target runs on."""
     with torch.inference_mode():
-        return target.model(input_ids=torch.tensor([ids], device=target.device)).last_hidden_state[0].to(torch.float16)
+        out = target.model(input_ids=torch.tensor([ids], device=target.device)).last_hidden_state[0]
+    return out.to(torch.float16).cpu()
 
 
 def recording(drafter):
@@ -72,7 +74,7 @@ def check_features(target, seen) -> int:
         truth = hidden_states(target, context)
         rows = features.rows
         assert features.start + len(rows) == len(context) - 1  # up to the last committed but one
-        torch.testing.assert_close(rows.float(), truth[features.start:len(context) - 1].float(), atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(rows.float().cpu(), truth[features.start:len(context) - 1].float(), atol=2e-2, rtol=1e-2)
         checked += len(rows)
     return checked
 

@@ -211,7 +211,7 @@ def aux_head(target, aux_layers=(0,), seed: int = 0):
 
 
 def layer_output(target, ids: list[int], layer: int):
-    """The residual stream after decoder layer `layer` over a whole sequence, [len, H]."""
+    """The residual stream after decoder layer `layer` over a whole sequence, [len, H], on the CPU."""
     import torch
 
     out = {}
@@ -219,10 +219,10 @@ def layer_output(target, ids: list[int], layer: int):
         lambda module, args, output: out.setdefault("h", output[0] if isinstance(output, tuple) else output))
     try:
         with torch.inference_mode():
-            target.model(input_ids=torch.tensor([ids]))
+            target.model(input_ids=torch.tensor([ids], device=target.device))
     finally:
         handle.remove()
-    return out["h"][0]
+    return out["h"][0].cpu()
 
 
 def test_a_head_reading_aux_layers_on_the_target_is_token_identical(target, tokenizer):
@@ -247,7 +247,7 @@ def test_a_head_reading_aux_layers_on_the_target_is_token_identical(target, toke
 def torch_close(actual, expected):
     import torch
 
-    torch.testing.assert_close(actual, expected, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(actual.cpu(), expected.cpu(), atol=2e-2, rtol=1e-2)  # features may be on a GPU
 
 
 def test_a_head_reading_aux_layers_is_refused_by_a_draft_worker(target, tokenizer):

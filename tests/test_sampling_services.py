@@ -124,7 +124,7 @@ def test_sampled_continuations_follow_the_target_distribution(target, tokenizer)
 
     def warped(ids):
         with torch.inference_mode():
-            logits = target(torch.tensor([ids])).logits[0, -1:].float()
+            logits = target(torch.tensor([ids], device=target.device)).logits[0, -1:].float().cpu()
         return warp_probs_ref(logits, torch.tensor([temperature]), torch.tensor([top_k]), torch.tensor([1.0]))[0]
 
     expected = {}
