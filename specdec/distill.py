@@ -183,6 +183,9 @@ class DistillConfig:
     """--kind eagle: drafting steps unrolled per training step (training-time test)."""
     feature_weight: float = 1.0
     """--kind eagle: weight of the feature regression (smooth L1) beside the token losses."""
+    feature_noise: float = 0.0
+    """--kind eagle: uniform noise on the target features fed while training, U(-a, a) times
+    each state's RMS (EAGLE-1's regulariser; distill_eagle.noisy_features); 0: none."""
     aux_layers: tuple[int, ...] = ()
     """--kind eagle: target decoder layers (0-based) whose states the head also reads."""
     init_from: Path | None = None
@@ -930,8 +933,10 @@ def train(config: DistillConfig, student, train_set: list, heldout: list, pad_id
 
                 batch = distill_eagle.collate([train_set[i] for i in picked], pad_id, index_of,
                                               student.config.hidden_size)
+                noise = torch.Generator().manual_seed(config.seed * 1_000_003 + state.step)  # same on a resume
                 loss, parts = distill_eagle.step_loss(student, batch, config.unroll, config.hard_weight,
-                                                      config.feature_weight, config.bf16, config.bf16_logits)
+                                                      config.feature_weight, config.bf16, config.bf16_logits,
+                                                      config.feature_noise, noise)
             else:
                 batch = collate([train_set[i] for i in picked], pad_id)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16):
@@ -1144,8 +1149,10 @@ def run(config: DistillConfig) -> dict:
         raise ValueError("bound the training: give --steps, --max-minutes, or both")
     if config.self_prompts < 0:
         raise ValueError(f"--self-prompts {config.self_prompts}: expected 0 or more")
-    if config.kind != EAGLE and (config.aux_layers or config.init_from is not None):
-        raise ValueError("--aux-layers and --init-from apply to --kind eagle only")
+    if config.kind != EAGLE and (config.aux_layers or config.init_from is not None or config.feature_noise):
+        raise ValueError("--aux-layers, --init-from and --feature-noise apply to --kind eagle only")
+    if not 0.0 <= config.feature_noise < 10.0:
+        raise ValueError(f"--feature-noise {config.feature_noise}: expected 0 (none) up to 10 (times each state's RMS)")
     torch.set_num_threads(config.threads)
     began = time.monotonic()
     end = began + config.max_minutes * 60 if config.max_minutes else math.inf
@@ -1376,6 +1383,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="eagle: drafting steps unrolled in training (default %(default)s)")
     parser.add_argument("--feature-weight", type=float, default=d.feature_weight,
                         help="eagle: weight of the feature regression loss (default %(default)s)")
+    parser.add_argument("--feature-noise", type=float, default=d.feature_noise, metavar="A",
+                        help="eagle: while training, add uniform noise U(-A, A) times each state's RMS to the target "
+                             "features the head reads (EAGLE-1's regulariser; default %(default)s: none)")
     parser.add_argument("--aux-layers", type=_layer_list, default=(),
                         help="eagle: target decoder layers (0-based, comma-separated) whose outputs the head reads "
                              "beside the final hidden states, e.g. 1,14 (EAGLE-3's low/mid-level features; "
@@ -1411,5 +1421,5 @@ def config_from_args(args: argparse.Namespace, argv: list[str] | None = None) ->
         log_every=args.log_every, eval_every=args.eval_every, checkpoint_every=args.checkpoint_every,
         max_minutes=args.max_minutes, threads=args.threads, seed=args.seed, progress=not args.no_progress,
         command=command, kind=args.kind, draft_vocab=args.draft_vocab, unroll=args.unroll,
-        feature_weight=args.feature_weight, aux_layers=args.aux_layers, init_from=args.init_from,
+        feature_weight=args.feature_weight, feature_noise=args.feature_noise, aux_layers=args.aux_layers, init_from=args.init_from,
     )

@@ -206,15 +206,35 @@ def collate(examples: list[EagleExample], pad_id: int, index_of: torch.Tensor, h
     return EagleBatch(tokens, f_in, f_out, reg, torch.cat(rows), index.clamp_min(0), probs, inside[:, 0], neg_entropy)
 
 
+def noisy_features(features: torch.Tensor, hidden: int, amplitude: float, generator: torch.Generator) -> torch.Tensor:
+    """The target's features [..., F] with uniform noise added, EAGLE-1 style (Li et al. 2024,
+    §4.2: U(-0.1, 0.1) on the features while training), here scaled to each state: every
+    H-wide segment (the final state, then each aux layer's: their scales differ by orders of
+    magnitude) of every position gets U(-a, a) × that segment's RMS, so zero rows (position 0,
+    padding) stay zero. The head then cannot lean on exact feature values that differ between
+    the training answers and new ones."""
+    segments = features.unflatten(-1, (features.shape[-1] // hidden, hidden))  # [..., S, H]
+    rms = segments.pow(2).mean(-1, keepdim=True).sqrt()
+    noise = torch.rand(segments.shape, generator=generator, dtype=segments.dtype) * 2 - 1
+    return (segments + amplitude * rms * noise).flatten(-2)
+
+
 def step_loss(head: eagle.EagleHead, batch: EagleBatch, unroll: int, hard_weight: float, feature_weight: float,
-              bf16: bool, bf16_logits: bool = False) -> tuple[torch.Tensor, dict]:
+              bf16: bool, bf16_logits: bool = False, feature_noise: float = 0.0,
+              generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
     """bf16: the head's layer under bf16 autocast; bf16_logits: its draft-vocabulary LM head
     too (the largest product of a step: [answer positions, H] × [H, Vd] per unrolled step,
-    forward and backward), with the logits rounded to bf16 before the fp32 loss."""
+    forward and backward), with the logits rounded to bf16 before the fp32 loss.
+    feature_noise: the amplitude of noisy_features on the head's inputs (the regression
+    targets stay clean); 0: none."""
     from specdec.distill import topk_distill_loss
 
+    features_in = batch.features_in
+    if feature_noise > 0:
+        features_in = noisy_features(features_in, head.config.hidden_size, feature_noise,
+                                     generator if generator is not None else torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        outputs = head.unrolled(batch.tokens, batch.features_in, unroll)
+        outputs = head.unrolled(batch.tokens, features_in, unroll)
     total = torch.zeros(())
     weights = 0.0
     logs: dict = {}

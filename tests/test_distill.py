@@ -413,6 +413,53 @@ def test_bf16_logits_give_the_fp32_loss_and_gradient_within_bf16_rounding(distil
     assert grad16.shape == grad32.shape and float(grad16.abs().sum()) > 0
 
 
+def test_feature_noise_is_scaled_to_each_state_and_spares_empty_rows():
+    """--feature-noise: U(-a, a) × the RMS of each H-wide state (final, then aux layers, whose
+    scales differ by orders of magnitude); zero rows (position 0, padding) stay zero; the
+    same generator seed gives the same noise (a resumed run repeats it)."""
+    from specdec import distill_eagle
+
+    hidden, a = 16, 0.2
+    torch.manual_seed(0)
+    features = torch.randn(3, 40, 3 * hidden) * torch.tensor([1.0, 10.0, 300.0]).repeat_interleave(hidden)
+    features[:, 0] = 0  # position 0
+    features[2, 30:] = 0  # padding
+    noisy = distill_eagle.noisy_features(features, hidden, a, torch.Generator().manual_seed(5))
+    assert torch.equal(noisy, distill_eagle.noisy_features(features, hidden, a, torch.Generator().manual_seed(5)))
+    assert not torch.equal(noisy, distill_eagle.noisy_features(features, hidden, a, torch.Generator().manual_seed(6)))
+    assert torch.equal(noisy[:, 0], features[:, 0]) and torch.equal(noisy[2, 30:], features[2, 30:])
+    segments = features.unflatten(-1, (3, hidden))
+    rms = segments.pow(2).mean(-1, keepdim=True).sqrt()
+    relative = ((noisy.unflatten(-1, (3, hidden)) - segments) / rms.clamp_min(1e-12))[rms.squeeze(-1) > 0]
+    assert float(relative.abs().max()) <= a + 1e-5  # within ±a of each state's own scale
+    assert abs(float(relative.std()) - a / 3 ** 0.5) < 0.01  # uniform on [-a, a]: std a/√3, on every state
+    for s in range(3):
+        assert abs(float(relative[:, s].std()) - a / 3 ** 0.5) < 0.02
+
+
+def test_feature_noise_reaches_the_loss_and_a_bad_amplitude_is_refused(distilled_eagle, tmp_path, capsys):
+    from specdec import distill_eagle, eagle
+
+    work = distilled_eagle["out"].with_name(distilled_eagle["out"].name + ".work")
+    head = eagle.load(distilled_eagle["out"])
+    vocab = distilled_eagle["vocab"]
+    index_of = torch.full((int(head.embed.shape[0]),), -1, dtype=torch.long)
+    index_of[vocab] = torch.arange(len(vocab))
+    batch = distill_eagle.collate(distill_eagle.load_examples(work, distill_prompts.TRAIN)[:8], 0, index_of,
+                                  head.config.hidden_size)
+    with torch.no_grad():
+        clean, _ = distill_eagle.step_loss(head, batch, 2, 0.5, 1.0, False)
+        again, _ = distill_eagle.step_loss(head, batch, 2, 0.5, 1.0, False, feature_noise=0.0)
+        noisy, _ = distill_eagle.step_loss(head, batch, 2, 0.5, 1.0, False, feature_noise=0.3,
+                                           generator=torch.Generator().manual_seed(1))
+    assert float(clean) == float(again) and float(noisy) != float(clean)
+    assert main(tiny_run_args(distilled_eagle["target_dir"], tmp_path / "h", 4, "--kind", "eagle",
+                              "--feature-noise", "-1")) != 0
+    assert "--feature-noise" in capsys.readouterr().err
+    assert main(tiny_run_args(distilled_eagle["target_dir"], tmp_path / "d", 4, "--feature-noise", "0.1")) != 0
+    assert "--kind eagle only" in capsys.readouterr().err
+
+
 def test_eagle_output_loads_as_a_head_reading_its_target(distilled_eagle):
     from specdec import eagle
 
@@ -458,7 +505,8 @@ def distilled_aux(tmp_path_factory, distilled_eagle):
         shutil.copy(source / name, work / name)
     out = root / "head"
     extra = ("--kind", "eagle", "--draft-vocab", "96", "--unroll", "2", "--lr", "3e-3", "--work", str(work),
-             "--resume", "--aux-layers", "0", "--init-from", str(distilled_eagle["out"]), "--bf16-logits")
+             "--resume", "--aux-layers", "0", "--init-from", str(distilled_eagle["out"]), "--bf16-logits",
+             "--feature-noise", "0.1")
     assert main(tiny_run_args(distilled_eagle["target_dir"], out, AUX_STEPS, *extra)) == 0
     return {"out": out, "work": work, "record": json.loads((out / "distill.json").read_text())}
 
@@ -469,6 +517,7 @@ def test_a_head_reading_aux_layers_trains_from_a_warm_start(distilled_aux, disti
     record = distilled_aux["record"]
     assert record["student"]["aux_layers"] == [0]
     assert record["config"]["bf16_logits"] is True  # this run's LM head trained under bf16 too
+    assert record["config"]["feature_noise"] == 0.1  # and read noisy features
     shards = sorted(p.name for p in (distilled_aux["work"] / "data").iterdir())
     assert sorted(p.name for p in (distilled_aux["work"] / "aux-0").iterdir()) == shards
     # Started from the trained head: its first losses are near where that head ended, far
