@@ -11,7 +11,11 @@
    for stopping the chain when the head's probability of the whole chain falls below θ
    (draft_worker.drafters.eagle.MIN_CHAIN_PROB): tokens per round, accepted/proposed and the
    modelled speedup (tokens per round over 1 + per-round overhead + rows × (c + row cost)),
-   exact greedy chains as in `specdec distill`'s evaluation.
+   exact greedy chains as in `specdec distill`'s evaluation. With alternatives
+   (draft_worker.drafters.eagle.MIN_ALT_PROB, scored by the target as tree leaves): the
+   head's second choice at a chain depth where the chain's probability so far times its own
+   is at least the threshold costs a row, and where the chain is cut at that depth and it is
+   the reference's token it adds that token and the target's next one.
 
     python benchmarks/head_step.py [--head drafts/smollm2-135m-eagle3] [--work DIR] [--threads 2] [--json out.json]
 """
@@ -35,6 +39,7 @@ CHAIN_K = 6
 ROUND_OVERHEAD = 0.05
 ROW_COST = 0.045
 THRESHOLDS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.3)
+ALT_THRESHOLDS = (0.02, 0.05, 0.1)
 
 
 def time_steps(heads: dict, target_lm, context: list[int]) -> dict[str, float]:
@@ -50,46 +55,58 @@ def time_steps(heads: dict, target_lm, context: list[int]) -> dict[str, float]:
 
 
 @torch.inference_mode()
-def chains(head, examples, index_of, k: int) -> list[tuple[int, int, list, list]]:
-    """Per example: (prompt_len, length, conf[s][c], ok[s][c]) for chains drafted after each
-    committed position c: step s+1's top-1 probability and whether its token is the
-    reference's (teacher-forced features, as served)."""
+def chains(head, examples, index_of, k: int) -> list[tuple[int, int, list, list, list, list]]:
+    """Per example: (prompt_len, length, conf[s][c], ok[s][c], conf2[s][c], ok2[s][c]) for
+    chains drafted after each committed position c: step s+1's top-1 probability and whether
+    its token is the reference's (teacher-forced features, as served), and the same for its
+    second choice."""
     from specdec.distill_eagle import collate
 
     out = []
     for start in range(0, len(examples), 16):
         chunk = examples[start:start + 16]
         batch = collate(chunk, 0, index_of, head.config.hidden_size)
-        steps = [torch.softmax(head.logits(o.float()), -1).max(-1) for o in head.unrolled(batch.tokens,
-                                                                                           batch.features_in, k)]
+        steps = [torch.softmax(head.logits(o.float()), -1).topk(2, -1) for o in head.unrolled(batch.tokens,
+                                                                                               batch.features_in, k)]
         for b, e in enumerate(chunk):
             n = len(e.tokens)
-            conf = [[float(steps[s].values[b, c + s]) if c + s < n else 0.0 for c in range(n)] for s in range(k)]
-            ok = [[c + s + 1 < n and int(head.draft_vocab[steps[s].indices[b, c + s]]) == int(e.tokens[c + s + 1])
-                   for c in range(n)] for s in range(k)]
-            out.append((e.prompt_len, n, conf, ok))
+
+            def conf(j):
+                return [[float(steps[s].values[b, c + s, j]) if c + s < n else 0.0 for c in range(n)] for s in range(k)]
+
+            def ok(j):
+                return [[c + s + 1 < n and int(head.draft_vocab[steps[s].indices[b, c + s, j]]) == int(e.tokens[c + s + 1])
+                         for c in range(n)] for s in range(k)]
+
+            out.append((e.prompt_len, n, conf(0), ok(0), conf(1), ok(1)))
     return out
 
 
-def simulate(records, k: int, threshold: float, c: float) -> dict:
-    rounds = proposed = accepted = generated = 0
+def simulate(records, k: int, threshold: float, c: float, alt_threshold: float | None = None) -> dict:
+    rounds = proposed = accepted = generated = leaves = 0
     cost = 0.0
-    for prompt_len, n, conf, ok in records:
+    for prompt_len, n, conf, ok, conf2, ok2 in records:
         last = prompt_len - 1
         while last < n - 1:
-            block, chain = 0, 1.0
+            block, chain, alternatives = 0, 1.0, []
             while block < min(k, n - 1 - last):
+                if alt_threshold is not None and chain * conf2[block][last] >= alt_threshold:
+                    alternatives.append(block)
                 chain *= conf[block][last]
                 if chain < threshold:
                     break
                 block += 1
+            alternatives = [depth for depth in alternatives if depth < block]  # as the drafter keeps them
             run = 0
             while run < block and ok[run][last]:
                 run += 1
-            rounds, proposed, accepted, generated = rounds + 1, proposed + block, accepted + run, generated + run + 1
-            cost += 1 + ROUND_OVERHEAD + block * (c + ROW_COST)
-            last += run + 1
-    return {"k": k, "min_chain_prob": threshold, "tokens_per_round": generated / rounds,
+            extra = 2 if run < block and run in alternatives and ok2[run][last] else 0
+            rounds, proposed, accepted = rounds + 1, proposed + block, accepted + run
+            generated, leaves = generated + run + 1 + (extra - 1 if extra else 0), leaves + len(alternatives)
+            cost += 1 + ROUND_OVERHEAD + block * (c + ROW_COST) + len(alternatives) * ROW_COST
+            last += run + 1 + (extra - 1 if extra else 0)
+    return {"k": k, "min_chain_prob": threshold, "min_alt_prob": alt_threshold,
+            "tokens_per_round": generated / rounds, "rows_per_round": (proposed + leaves) / rounds,
             "accepted_per_proposed": accepted / proposed if proposed else 0.0, "modelled_speedup": generated / cost}
 
 
@@ -133,18 +150,19 @@ def main(argv=None) -> int:
         reference = chains(plain, examples, index_of, CHAIN_K)
         records = chains(served, examples, index_of, CHAIN_K) if served is not plain else reference
         same = total = 0
-        for (_, n, _, ok_a), (_, _, _, ok_b) in zip(reference, records):
+        for (_, n, _, ok_a, *_), (_, _, _, ok_b, *_) in zip(reference, records):
             same += sum(a == b for a, b in zip(ok_a[0], ok_b[0]))
             total += n
         c = result["c"][list(heads)[-1]]
         bins: dict[int, list[int]] = {}
-        for prompt_len, n, conf, ok in records:
+        for prompt_len, n, conf, ok, *_ in records:
             for pos in range(prompt_len - 1, n - 1):
                 entry = bins.setdefault(min(9, int(conf[0][pos] * 10)), [0, 0])
                 entry[0] += 1
                 entry[1] += ok[0][pos]
         policies = [simulate(records, k, 0.0, c) for k in (1, 2, 3, 4)]
         policies += [simulate(records, k, t, c) for k in (4, 6) for t in THRESHOLDS if t > 0]
+        policies += [simulate(records, 4, t, c, a) for t in (0.05, 0.1, 0.15) for a in ALT_THRESHOLDS]
         result.update({"heldout_examples": len(examples), "served_vs_fp32_step1_same": same / total,
                        "calibration": {f"{b / 10:.1f}-{(b + 1) / 10:.1f}": {"positions": v[0], "top1_right": v[1] / v[0]}
                                        for b, v in sorted(bins.items())},
@@ -156,8 +174,10 @@ def main(argv=None) -> int:
             print(f"  {name}  {v['top1_right']:.2f}  ({v['positions']} positions)")
         print(f"policies (c = {c:.3f}, row {ROW_COST}, round {ROUND_OVERHEAD}):")
         for p in policies:
-            print(f"  k ≤ {p['k']}  min chain prob {p['min_chain_prob']:.2f}: {p['tokens_per_round']:.2f} tok/round, "
-                  f"accepted/proposed {p['accepted_per_proposed']:.2f}, modelled {p['modelled_speedup']:.3f}×")
+            alt = f", alternatives ≥ {p['min_alt_prob']:.2f}" if p["min_alt_prob"] is not None else ""
+            print(f"  k ≤ {p['k']}  min chain prob {p['min_chain_prob']:.2f}{alt}: {p['tokens_per_round']:.2f} tok/round, "
+                  f"{p['rows_per_round']:.2f} rows, accepted/proposed {p['accepted_per_proposed']:.2f}, "
+                  f"modelled {p['modelled_speedup']:.3f}×")
     else:
         print(f"\n(no held-out data under {work}: calibration and policies skipped)")
     if args.json:

@@ -54,6 +54,7 @@ class Stats:
     generated: int = 0
     draft_failures: int = 0
     rejected_blocks: int = 0
+    alternative_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
 
@@ -76,6 +77,7 @@ class Stats:
             wire_bytes=sum(s.wire_bytes for s in sessions),
             resyncs=sum(s.resyncs for s in sessions),
             rejected_blocks=self.rejected_blocks,
+            alternative_tokens=self.alternative_tokens,
         )
 
 
@@ -144,7 +146,11 @@ class RoundRunner:
                 stats.proposed += len(drafts)
                 stats.accepted += verdict.accepted
                 stats.rejected_blocks += verdict.accepted < len(drafts)
-                new, finish = self._commit(drafts[:verdict.accepted] + [verdict.next_token], plan, stats, room)
+                extra = list(verdict.extra_tokens)
+                new, finish = self._commit(drafts[:verdict.accepted] + [verdict.next_token] + extra, plan, stats,
+                                           room)
+                if extra:  # the committed alternative (next_token) and the target's token after it
+                    stats.alternative_tokens += max(0, len(new) - verdict.accepted)
                 metrics.ROUNDS.inc()
                 metrics.PROPOSED.inc(len(drafts))
                 metrics.ACCEPTED.inc(verdict.accepted)

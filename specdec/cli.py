@@ -62,6 +62,10 @@ def _add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-chain-prob", type=float, default=float(_env("SPECDEC_MIN_CHAIN_PROB", 0.15)),
                         help="a feature-level head's chain stops where its own probability of the whole chain "
                              "falls below this; 0: always draft k (default %(default)s) [SPECDEC_MIN_CHAIN_PROB]")
+    parser.add_argument("--min-alt-prob", type=float, default=float(_env("SPECDEC_MIN_ALT_PROB", 0.05)),
+                        help="a head on the target worker also proposes its second choice at a chain depth where "
+                             "its probability of being right is at least this, verified as a tree leaf in the same "
+                             "pass; 1: never (default %(default)s) [SPECDEC_MIN_ALT_PROB]")
 
 
 def _server_config(args) -> ServerConfig:
@@ -118,7 +122,8 @@ def _worker_config(args, model: str, port: int | None = None) -> WorkerConfig:
         server.port = port
     return WorkerConfig(model=model, server=server, max_sessions=args.max_sessions,
                         max_cache_bytes=args.max_cache_mb << 20, device=args.device,
-                        min_chain_prob=args.min_chain_prob, head=getattr(args, "head", None))
+                        min_chain_prob=args.min_chain_prob, min_alt_prob=args.min_alt_prob,
+                        head=getattr(args, "head", None))
 
 
 def build_parser() -> argparse.ArgumentParser:

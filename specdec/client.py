@@ -13,7 +13,7 @@ from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 STATS_FIELDS = ("rounds", "proposed", "accepted", "acceptance_rate", "tokens_per_round", "ttft_s", "tokens_per_s")
 EXTRA_STATS_FIELDS = ("prompt_tokens", "generated_tokens", "draft_s", "verify_s", "wire_bytes", "resyncs", "seed",
-                      "rejected_blocks")
+                      "rejected_blocks", "alternative_tokens")
 
 
 def make_request(prompt: str | list[int], *, raw: bool = False, max_new_tokens: int = 128, k: int | None = None,

@@ -64,6 +64,10 @@ class WorkerConfig:
     """A feature-level head stops its chain before the token that would bring its own
     probability of the whole chain being right below this (0: always draft what is asked;
     draft_worker.drafters.eagle)."""
+    min_alt_prob: float = 0.05
+    """Target only: a head next to the target also proposes its second choice at a depth of
+    its chain where its probability of being right is at least this, scored as a tree leaf
+    in the same verification pass (target_worker.verify); 1 or more: never."""
 
 
 @dataclass

@@ -161,20 +161,26 @@ class CausalLM:
 
     @torch.inference_mode()
     def feed_batch(self, sessions: list[Session], token_lists: list[list[int]], logits_to_keep: list[int],
-                   features: bool = False, aux_layers: tuple[int, ...] = ()):
+                   features: bool = False, aux_layers: tuple[int, ...] = (),
+                   parents: list[list[int] | None] | None = None):
         """feed() for many sessions at once: ONE forward pass over all their new tokens when
         the model allows it (specdec.ragged), else one pass per session. Returns per session
         the logits of its last logits_to_keep[i] positions, [logits_to_keep[i], V]; with
         features=True, (those logits, per session the final hidden states of every fed
         position, [len(token_lists[i]), H], then the states after decoder layers aux_layers:
-        [len(token_lists[i]), H·(1 + len(aux_layers))])."""
+        [len(token_lists[i]), H·(1 + len(aux_layers))]). parents[i], when given, makes session
+        i's tokens a tree (specdec.ragged.RaggedBatch.parents; only where batches_in_one_pass):
+        all of them enter its cache, and the caller crops the ones not kept."""
+        trees = parents is not None and any(p is not None for p in parents)
+        if trees and not self.batches_in_one_pass:
+            raise ValueError("tree blocks need the packed forward (specdec.ragged), which this model cannot run")
         if features:
             with self._capturing_features(tuple(aux_layers)) as captured:
-                logits = self.feed_batch(sessions, token_lists, logits_to_keep)
+                logits = self.feed_batch(sessions, token_lists, logits_to_keep, parents=parents)
             hidden = torch.cat([c[0] for c in captured], 0)  # [Σ n, H]: one pass, or one per session
             return logits, list(torch.split(hidden, [len(t) for t in token_lists]))
         assert len({id(s) for s in sessions}) == len(sessions), "a session appears twice in a batch"
-        if len(sessions) == 1 or not self.batches_in_one_pass:
+        if (len(sessions) == 1 and not trees) or not self.batches_in_one_pass:
             return [self.feed(s, t, k) for s, t, k in zip(sessions, token_lists, logits_to_keep)]
         from specdec.ragged import packed_forward
 
@@ -182,7 +188,8 @@ class CausalLM:
             assert tokens, "feed needs at least one token"
             assert session.cache.get_seq_length() == len(session.ids), "cache and ids out of step"
         try:
-            logits = packed_forward(self.model, [s.cache for s in sessions], token_lists, logits_to_keep)
+            logits = packed_forward(self.model, [s.cache for s in sessions], token_lists, logits_to_keep,
+                                    parents if trees else None)
         except BaseException:
             # Some sessions' layers may have grown and others not: rebuild them all.
             for session in sessions:

@@ -12,7 +12,11 @@ FlashAttention use, done with one SDPA call per session and layer.
 
 Positions are given per token (each session continues at its own cache length), so rotary
 embeddings are those of the session alone; the causal mask inside a session's block is the
-same as in a one-session forward. The result equals running each session alone up to float
+same as in a one-session forward. A session's block may also be a tree (`parents`): each
+token then sits at its depth and attends to the cache, its ancestors and itself — several
+candidate continuations of one prefix scored in the same pass (target_worker.verify's
+alternative draft tokens). Tree tokens come after the chain they branch from, so dropping
+them is a crop of the cache's tail. The result equals running each session alone up to float
 rounding of the batched matrix products (tests/test_ragged.py compares them).
 
 This works for decoder-only models whose attention goes through transformers'
@@ -49,18 +53,39 @@ class RaggedBatch:
     current: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     # Per session: the causal mask of its block against its cache, None when nᵢ = 1.
     masks: list[torch.Tensor | None] = field(default_factory=list)
+    # Per session: None for a causal block, or per new token the index of its parent in the
+    # block (-1: the cache's last token), parents before children.
+    parents: list[list[int] | None] | None = None
+
+    def _parents(self, i: int) -> list[int] | None:
+        return self.parents[i] if self.parents is not None else None
 
     @property
     def total(self) -> int:
         return sum(self.lengths)
 
     def position_ids(self, device: torch.device) -> torch.Tensor:
-        """[1, T]: each session's tokens continue at its own cache length."""
-        return torch.cat([torch.arange(p, p + n, device=device) for p, n in zip(self.past, self.lengths)])[None]
+        """[1, T]: each session's tokens continue at its own cache length (a tree's at their
+        depth)."""
+        parts = []
+        for i, (p, n) in enumerate(zip(self.past, self.lengths)):
+            parents = self._parents(i)
+            if parents is None:
+                parts.append(torch.arange(p, p + n, device=device))
+            else:
+                depth: list[int] = []
+                for parent in parents:
+                    depth.append(depth[parent] + 1 if parent >= 0 else 0)
+                parts.append(torch.tensor(depth, dtype=torch.long, device=device) + p)
+        return torch.cat(parts)[None]
 
     def build_masks(self, device: torch.device) -> None:
         self.masks = []
-        for past, n in zip(self.past, self.lengths):
+        for i, (past, n) in enumerate(zip(self.past, self.lengths)):
+            parents = self._parents(i)
+            if parents is not None:
+                self.masks.append(tree_mask(parents, past, device))
+                continue
             if n == 1:
                 self.masks.append(None)  # one query attends to everything cached
                 continue
@@ -68,6 +93,25 @@ class RaggedBatch:
             rows = torch.arange(n, device=device)[:, None]  # [n, 1]
             cols = torch.arange(past + n, device=device)[None, :]  # [1, past + n]
             self.masks.append((cols <= past + rows)[None, None])  # [1, 1, n, past + n] bool
+
+
+def check_tree(parents: list[int]) -> None:
+    """A block's parent list must name only earlier tokens (or -1, the cache)."""
+    for row, parent in enumerate(parents):
+        if not -1 <= parent < row:
+            raise ValueError(f"tree token {row} has parent {parent}: parents must come before their children")
+
+
+def tree_mask(parents: list[int], past: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, n, past + n] bool: token r sees every cached token, its ancestors and itself."""
+    check_tree(parents)
+    n = len(parents)
+    seen = torch.eye(n, dtype=torch.bool)
+    for row, parent in enumerate(parents):
+        if parent >= 0:
+            seen[row] |= seen[parent]
+    cached = torch.ones((n, past), dtype=torch.bool)
+    return torch.cat([cached, seen], 1)[None, None].to(device)
 
 
 class RaggedCache:
@@ -133,15 +177,20 @@ def supports_ragged(model: torch.nn.Module) -> str | None:
 
 @torch.inference_mode()
 def packed_forward(model: torch.nn.Module, caches: list, token_lists: list[list[int]],
-                   keep: list[int]) -> list[torch.Tensor]:
+                   keep: list[int], parents: list[list[int] | None] | None = None) -> list[torch.Tensor]:
     """Runs every session's new tokens in one forward pass; returns per session the logits
     of its last keep[i] positions, [keep[i], V] float32. Each cache must hold exactly the
-    session's past (its get_seq_length())."""
+    session's past (its get_seq_length()). parents[i], when given, makes session i's block
+    a tree (RaggedBatch.parents); its tokens all enter the cache, in block order."""
     device = next(model.parameters()).device
     lengths = [len(tokens) for tokens in token_lists]
     offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+    if parents is not None:
+        for tokens, tree in zip(token_lists, parents):
+            if tree is not None and len(tree) != len(tokens):
+                raise ValueError(f"a tree of {len(tree)} parents for {len(tokens)} tokens")
     batch = RaggedBatch(caches=caches, offsets=offsets, lengths=lengths,
-                        past=[cache.get_seq_length() for cache in caches])
+                        past=[cache.get_seq_length() for cache in caches], parents=parents)
     batch.build_masks(device)
     input_ids = torch.tensor([[t for tokens in token_lists for t in tokens]], dtype=torch.long, device=device)
     # Rows whose logits are wanted: the last keep[i] of each session's block.

@@ -19,6 +19,10 @@ them all. The state lives on the target's session, so eviction drops both togeth
 session rebuilt from position 0 rebuilds the head's. Should the features ever have a gap
 (a session continued without its earlier positions), the head state is dropped and that
 session gets no drafts until it is rebuilt from 0: drafts only ever cost speed.
+
+With each draft the head hands out it keeps its alternatives (second choices at some depths,
+draft_worker.drafters.eagle); the next round's verification scores them as tree leaves when
+its draft tokens are that draft or a prefix of it (target_worker.verify).
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ class HeadState:
     session: Session  # the head's own cache and fed ids
     start: int  # position of rows[0]
     rows: torch.Tensor  # [n, F] float16 features of committed positions start … not yet fed (F: feature_size)
+    # The last draft handed out and its alternatives, (depth, token): what the next round's
+    # verification scores as tree leaves when its draft tokens are (a prefix of) that draft.
+    drafted: tuple[int, ...] = ()
+    alternatives: tuple[tuple[int, int], ...] = ()
 
 
 class InlineHead:
@@ -74,10 +82,12 @@ class InlineHead:
             return []
         reusable = common_prefix_len(state.session.ids, context)
         features = Features.from_rows(state.start, state.rows)
-        result = self.drafter.propose(SyncedContext(state.session, context, reusable), k, features)
+        result = self.drafter.propose_tree(SyncedContext(state.session, context, reusable), k, features)
         if isinstance(result, Resync):
             session.head = None
             return []
+        result, alternatives = result
+        state.drafted, state.alternatives = tuple(result), tuple(alternatives)
         # The head now holds every position before the last; next time it needs features
         # from len(context) - 1 on at the earliest.
         drop = max(0, len(context) - 1 - state.start)
@@ -85,12 +95,23 @@ class InlineHead:
         return result
 
 
+    @staticmethod
+    def alternatives(session: Session, drafts: list[int]) -> list[tuple[int, int]]:
+        """The alternatives (depth, token) the head proposed with `drafts`: those of its last
+        draft when `drafts` is that draft or a prefix of it (the coordinator may cut a block
+        short), at depths the drafts reach; none otherwise."""
+        state = session.head
+        if state is None or not drafts or tuple(drafts) != state.drafted[:len(drafts)]:
+            return []
+        return [(depth, token) for depth, token in state.alternatives if depth < len(drafts)]
+
+
 def load_inline_head(spec: str | None, target, head=None, fast: bool = True,
-                     min_chain_prob: float | None = None) -> InlineHead | None:
+                     min_chain_prob: float | None = None, min_alt_prob: float | None = None) -> InlineHead | None:
     """The head named by `spec` (a head directory or built-in name), or the given EagleHead,
     on top of the loaded `target` model; None when neither is given."""
     from specdec import eagle
-    from draft_worker.drafters.eagle import MIN_CHAIN_PROB
+    from draft_worker.drafters.eagle import MIN_ALT_PROB, MIN_CHAIN_PROB
 
     if head is None and not spec:
         return None
@@ -106,4 +127,5 @@ def load_inline_head(spec: str | None, target, head=None, fast: bool = True,
     if fast:
         head = eagle.fast_cpu_head(head)
     chain = MIN_CHAIN_PROB if min_chain_prob is None else min_chain_prob
-    return InlineHead(EagleDrafter(spec or "head", head, min_chain_prob=chain))
+    alternative = MIN_ALT_PROB if min_alt_prob is None else min_alt_prob
+    return InlineHead(EagleDrafter(spec or "head", head, min_chain_prob=chain, min_alt_prob=alternative))

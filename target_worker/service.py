@@ -87,7 +87,8 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
 def _verdict(result) -> target_pb2.Verdict:
     return target_pb2.Verdict(accepted=result.accepted, next_token=result.next_token, cached_len=result.cached_len,
                               compute_s=result.compute_s, feature_start=result.feature_start,
-                              features=result.features, next_drafts=result.next_drafts)
+                              features=result.features, next_drafts=result.next_drafts,
+                              extra_tokens=result.extra)
 
 
 def build_servicer(config: WorkerConfig, model=None, tokenizer=None, head=None) -> TargetWorkerServicer:
@@ -100,7 +101,7 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None, head=None) 
         loaded, loaded_tokenizer = (model, tokenizer) if model is not None else load_model(config.model,
                                                                                           device=config.device)
         inline = load_inline_head(config.head, loaded, head, fast=config.cpu_fast_path,
-                                  min_chain_prob=config.min_chain_prob)
+                                  min_chain_prob=config.min_chain_prob, min_alt_prob=config.min_alt_prob)
         return (serving_lm(loaded, config.cpu_fast_path), model_info(config.model, loaded, loaded_tokenizer),
                 inline)
 

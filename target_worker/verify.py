@@ -7,6 +7,17 @@ prefix of drafts that equals those choices is accepted, and the target's choice 
 it is the next token (the correction, or the bonus when all k were accepted). The cache is
 then cropped to the new committed length, minus that next token, whose keys are computed
 when it is fed in the next round.
+
+With a head on this worker (target_worker.head), a greedy round may also score the head's
+alternatives: second-choice tokens at some depths of the draft it handed out, each run as a
+leaf of a tree that branches off the chain at its depth (specdec.ragged's tree blocks: same
+position, attending to the chain before it). Where the chain is cut at depth d and the
+alternative at d is the target's own choice there, the target's token after that
+alternative is committed too (Verdict.extra): every committed token is still the target's
+greedy choice given the tokens before it. The leaves enter the cache after the chain and
+are cropped with it; a committed alternative is fed again next round, like the next token.
+Sampled rounds run the chain alone (accepting among several candidates needs a multi-draft
+rule, not implemented).
 """
 
 from __future__ import annotations
@@ -50,6 +61,9 @@ class Verdict:
     features: bytes = b""
     # With Round.draft_next and a head on this worker: its draft for the next round.
     next_drafts: tuple[int, ...] = ()
+    # Tokens after next_token the target also chose in this step (a head's alternative was
+    # its choice at the depth the chain was cut): commit drafts[:accepted], next_token, these.
+    extra: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,6 +103,7 @@ class Verifier:
         began = time.perf_counter()
         results: list[Verdict | Resync | BaseException | None] = [None] * len(rounds)
         ready: list[tuple[int, object, list[int]]] = []  # (index, synced, tokens to feed)
+        leaves: list[list[tuple[int, int]]] = []  # per ready round: the alternatives fed after its drafts
         seen: set[str] = set()
         for i, rnd in enumerate(rounds):
             try:
@@ -103,19 +118,28 @@ class Verifier:
             if isinstance(synced, Resync):
                 results[i] = synced
                 continue
-            ready.append((i, synced, self.lm.prepare(synced) + rnd.drafts))
+            alternatives = self._alternatives(rnd, synced.session)
+            ready.append((i, synced, self.lm.prepare(synced) + rnd.drafts + [t for _, t in alternatives]))
+            leaves.append(alternatives)
         rows = sum(len(fed) for _, _, fed in ready)
         hidden: list = [None] * len(ready)
         if ready:
             try:
                 sessions, fed = [synced.session for _, synced, _ in ready], [fed for _, _, fed in ready]
-                keep = [len(rounds[i].drafts) + 1 for i, _, _ in ready]
+                keep = [len(rounds[i].drafts) + 1 + len(alt) for (i, _, _), alt in zip(ready, leaves)]
+                parents = [self._tree(len(f) - len(alt), len(rounds[i].drafts), alt) if alt else None
+                           for (i, _, f), alt in zip(ready, leaves)]
+                parents = parents if any(p is not None for p in parents) else None
                 if self.head is not None or any(rounds[i].features for i, _, _ in ready):
                     aux = tuple(self.head.aux_layers) if self.head is not None else ()
-                    logits, hidden = self.lm.feed_batch(sessions, fed, keep, features=True, aux_layers=aux)
+                    logits, hidden = self.lm.feed_batch(sessions, fed, keep, features=True, aux_layers=aux,
+                                                        parents=parents)
                 else:
                     logits = self.lm.feed_batch(sessions, fed, keep)
-                decisions = self._decide_batch([logits_i for logits_i in logits],
+                # The chain's rows first; the alternatives' after them.
+                leaf_logits = [logits_i[len(rounds[i].drafts) + 1:] for (i, _, _), logits_i in zip(ready, logits)]
+                decisions = self._decide_batch([logits_i[:len(rounds[i].drafts) + 1]
+                                                for (i, _, _), logits_i in zip(ready, logits)],
                                                [rounds[i] for i, _, _ in ready],
                                                [len(synced.context) for _, synced, _ in ready])
             except Exception as exc:  # noqa: BLE001 - every round of the step failed alike
@@ -124,30 +148,57 @@ class Verifier:
                     results[i] = exc
                 ready = []
                 decisions = []
-            for (i, synced, fed), (accepted_n, next_id), states in zip(ready, decisions, hidden):
+            for (i, synced, fed), (accepted_n, next_id), states, alt, alt_logits in zip(
+                    ready, decisions, hidden, leaves, leaf_logits if ready else []):
                 committed = len(synced.context) + accepted_n
+                # Leaves sit after the chain in the cache: this crop drops them too.
                 self.lm.crop(synced.session, committed)
                 feature_start, feature_bytes, next_drafts = 0, b"", ()
+                # Cut at depth accepted_n: the alternative there, if the target chose it, and
+                # the target's choice after it (its leaf's logits) are committed as well.
+                leaf = next((j for j, (depth, token) in enumerate(alt)
+                             if depth == accepted_n < len(rounds[i].drafts) and token == next_id), None)
+                extra = (int(torch.argmax(alt_logits[leaf])),) if leaf is not None else ()
                 if states is not None:
                     # The fed committed tokens, then the accepted drafts: all now committed.
-                    fed_committed = len(fed) - len(rounds[i].drafts)
+                    fed_chain = len(fed) - len(alt)
+                    fed_committed = fed_chain - len(rounds[i].drafts)
                     feature_start = len(synced.context) - fed_committed
-                    states = states[:fed_committed + accepted_n].to(torch.float16).contiguous()
+                    if leaf is not None:  # then the committed alternative's
+                        states = torch.cat([states[:fed_committed + accepted_n], states[fed_chain + leaf:][:1]])
+                    states = states[:fed_committed + accepted_n + len(extra)].to(torch.float16).contiguous()
                     if self.head is not None:
                         self.head.record(synced.session, feature_start, states)
                         if rounds[i].draft_next:
-                            context = synced.context + rounds[i].drafts[:accepted_n] + [next_id]
+                            context = synced.context + rounds[i].drafts[:accepted_n] + [next_id] + list(extra)
                             next_drafts = tuple(self.head.draft(synced.session, context, rounds[i].draft_next))
                     # On the wire: the final hidden states only (what WorkerInfo.feature_size says).
                     feature_bytes = states[:, :self.lm.feature_size].cpu().contiguous().numpy().tobytes() \
                         if rounds[i].features else b""
                     feature_start = feature_start if rounds[i].features else 0
-                results[i] = Verdict(accepted_n, next_id, committed, 0.0, feature_start, feature_bytes, next_drafts)
+                results[i] = Verdict(accepted_n, next_id, committed, 0.0, feature_start, feature_bytes, next_drafts,
+                                     extra)
             for i, synced, _ in ready:
                 self.store.enforce_budget(keep=synced.session.session_id)
         step_s = time.perf_counter() - began
         results = [dataclasses.replace(r, compute_s=step_s) if isinstance(r, Verdict) else r for r in results]
         return BatchOutcome(results, step_s, rows)
+
+    def _alternatives(self, rnd: Round, session) -> list[tuple[int, int]]:
+        """The head's alternatives (depth, token) to score with this round's drafts: greedy
+        rounds that verify the head's own draft, on a model that runs tree blocks."""
+        if (self.head is None or not rnd.drafts or not rnd.sampling.greedy or rnd.features
+                or not self.lm.batches_in_one_pass):
+            return []
+        return self.head.alternatives(session, rnd.drafts)
+
+    @staticmethod
+    def _tree(fed_chain: int, drafts: int, alternatives: list[tuple[int, int]]) -> list[int]:
+        """Parents (specdec.ragged.RaggedBatch.parents) of a block of fed_chain tokens, the
+        last `drafts` of them the draft, followed by the alternatives: an alternative at
+        depth d branches off where draft token d does."""
+        committed = fed_chain - drafts
+        return list(range(-1, fed_chain - 1)) + [committed + depth - 1 for depth, _ in alternatives]
 
     def _validate(self, rnd: Round) -> None:
         if len(rnd.drafts) > self.max_draft_tokens:

@@ -29,13 +29,13 @@ PROMPTS = ["Explain how tides work.", "Write a haiku about rain.", "def add(a, b
 def recording(head: InlineHead):
     """Records (context, features) of every draft the head makes on the target worker."""
     seen = []
-    original = head.drafter.propose
+    original = head.drafter.propose_tree
 
-    def propose(synced, k, features=None):
+    def propose_tree(synced, k, features=None):
         seen.append((list(synced.context), features))
         return original(synced, k, features)
 
-    head.drafter.propose = propose
+    head.drafter.propose_tree = propose_tree
     return seen
 
 

@@ -27,7 +27,17 @@ time at p 0.1–0.2, 0.63 at 0.5–0.6, 0.98 above 0.9), so a block cut where it
 drops below a row's cost gives more tokens per unit of work than any fixed k — EAGLE-2's
 observation (Li et al. 2024, arXiv:2406.16858) applied to a chain. On the held-out chains a
 cut at 0.15 raised accepted/proposed from 0.27 to 0.49 at k ≤ 4 for 6% fewer tokens per
-round (`benchmarks/head_step.py`)."""
+round (`benchmarks/head_step.py`).
+
+Alternatives (the head next to the target only): at each depth of the chain, the head's
+second choice is also proposed when its probability of being right (the chain's so far
+times that token's) is at least `min_alt_prob`. The target worker scores each such token
+as a leaf of a tree in the same verification pass (it branches off the chain at its depth,
+specdec.ragged's tree blocks): when the chain is rejected at a depth whose alternative is
+the target's own choice there, the target's token after the alternative is committed too.
+The head's top-2 come from the softmax it computes anyway, so alternatives cost
+verification rows but no head steps; on held-out SmolLM2 chains they raise tokens per round
+from 2.08 to 2.26 for 1.3 more rows per round at 0.05 (`benchmarks/head_step.py`)."""
 
 from __future__ import annotations
 
@@ -72,15 +82,19 @@ LOOKUP_NGRAM = 2
 # The chain stops before a token that would bring the head's probability of the whole chain
 # being right below this (0: always draft k).
 MIN_CHAIN_PROB = 0.15
+# An alternative (second-choice) token is proposed where the head's probability that it is
+# right is at least this (1 or more: never).
+MIN_ALT_PROB = 0.05
 
 
 class EagleDrafter:
     def __init__(self, name: str, head: EagleHead, lookup_ngram: int = LOOKUP_NGRAM,
-                 min_chain_prob: float = MIN_CHAIN_PROB):
+                 min_chain_prob: float = MIN_CHAIN_PROB, min_alt_prob: float = MIN_ALT_PROB):
         self.name = name
         self.head = head
         self.lookup_ngram = lookup_ngram
         self.min_chain_prob = min_chain_prob
+        self.min_alt_prob = min_alt_prob
         config = head.config
         self.feature_size = config.feature_size
         element = torch.finfo(head.fc.weight.dtype).bits // 8
@@ -98,7 +112,19 @@ class EagleDrafter:
         return [self._propose_one(s, min(k, self.max_context - len(s.context)), f)
                 for s, k, f in zip(synced, ks, features)]
 
-    def _propose_one(self, synced: SyncedContext, k: int, features: Features | None) -> list[int] | Resync:
+    @torch.inference_mode()
+    def propose_tree(self, synced: SyncedContext, k: int,
+                     features: Features | None = None) -> tuple[list[int], list[tuple[int, int]]] | Resync:
+        """The chain, and the alternatives as (depth, token): a token proposed instead of
+        chain[depth], continuing chain[:depth] (see the module's docstring)."""
+        alternatives: list[tuple[int, int]] = []
+        chain = self._propose_one(synced, min(k, self.max_context - len(synced.context)), features, alternatives)
+        if isinstance(chain, Resync):
+            return chain
+        return chain, [(depth, token) for depth, token in alternatives if depth < len(chain)]
+
+    def _propose_one(self, synced: SyncedContext, k: int, features: Features | None,
+                     alternatives: list[tuple[int, int]] | None = None) -> list[int] | Resync:
         head, session, context = self.head, synced.session, synced.context
         cache = session.cache
         if cache is None:
@@ -131,11 +157,13 @@ class EagleDrafter:
         predicted = out[-1]
         chain = 1.0
         for step in range(k):
-            prob, index = torch.softmax(head.logits(predicted), -1).max(-1)
-            chain *= float(prob)
+            top = torch.softmax(head.logits(predicted), -1).topk(2, -1)
+            if alternatives is not None and chain * float(top.values[1]) >= self.min_alt_prob:
+                alternatives.append((step, int(head.draft_vocab[int(top.indices[1])])))
+            chain *= float(top.values[0])
             if chain < self.min_chain_prob:
                 break
-            token = int(head.draft_vocab[int(index)])
+            token = int(head.draft_vocab[int(top.indices[0])])
             proposal.append(token)
             if step + 1 < k:
                 predicted = head.extend(cache, predicted[None], [token])[0]

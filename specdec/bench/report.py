@@ -19,7 +19,8 @@ from pathlib import Path
 from specdec.bench import costs
 from specdec.bench.prompts import GROUNDED, KINDS, OPEN_KINDS
 from specdec.bench.runner import (
-    BASELINE, FAST_SUFFIX, HF_ASSISTED_DRAFT, HF_PROMPT_LOOKUP, SPECDEC_DRAFT, SPECDEC_NGRAM, SPECDEC_TARGET_ONLY,
+    BASELINE, FAST_SUFFIX, HF_ASSISTED_DRAFT, HF_PROMPT_LOOKUP, SPECDEC_DRAFT, SPECDEC_DRAFT_CHAIN, SPECDEC_NGRAM,
+    SPECDEC_TARGET_ONLY,
     BenchData,
 )
 from specdec.models import NGRAM
@@ -28,7 +29,7 @@ ALL = "all"
 OPEN = "open"
 # The peer that uses the same drafter as each specdec configuration.
 SAME_DRAFTER_PEER = {SPECDEC_NGRAM: HF_PROMPT_LOOKUP, SPECDEC_DRAFT: HF_ASSISTED_DRAFT}
-SPECULATIVE = (SPECDEC_NGRAM, SPECDEC_DRAFT)
+SPECULATIVE = (SPECDEC_NGRAM, SPECDEC_DRAFT, SPECDEC_DRAFT_CHAIN)
 TARGETS = (
     ("grounded_vs_hf_generate", "n-gram, median of grounded prompts: speedup over (1) HF generate()", 2.0),
     ("grounded_vs_hf_prompt_lookup", "n-gram, median of grounded prompts: speedup over (2) HF prompt lookup", 1.15),
@@ -143,6 +144,8 @@ def _speculation(runs, measured: dict, drafter: str, k: int, row: dict) -> dict:
         "acceptance_rate": rate,
         "alpha": alpha,
         "tokens_per_round": stats.get("tokens_per_round"),
+        # Tokens committed from a head's alternatives (tree leaves), in tokens_per_round, not in α.
+        "alternative_tokens": stats.get("alternative_tokens", 0),
         "rounds": stats.get("rounds"),
         "proposed": stats.get("proposed"),
         "accepted": stats.get("accepted"),

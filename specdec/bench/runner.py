@@ -33,6 +33,9 @@ HF_ASSISTED_DRAFT = "hf_assisted_draft"
 SPECDEC_TARGET_ONLY = "specdec_target_only"
 SPECDEC_NGRAM = "specdec_ngram"
 SPECDEC_DRAFT = "specdec_draft"
+# A head with its alternatives switched off (`--min-alt-prob 1`): what they add, side by side.
+SPECDEC_DRAFT_CHAIN = "specdec_draft_chain"
+CHAIN_ONLY_ARGS = ("--min-alt-prob", "1")
 FAST_SUFFIX = "_fastpath"
 BASELINE = HF_GENERATE
 
@@ -43,6 +46,7 @@ class Configuration:
     number: str  # "1", "2", "3", "4" as in the issue; "1f"/"2f": a peer on the fast-path model
     label: str
     drafter: str | None  # None: target alone; "ngram"; or a draft model spec
+    up_args: tuple[str, ...] = ()  # extra `specdec up` flags of its stack
 
 
 def configurations(config: BenchConfig) -> list[Configuration]:
@@ -61,6 +65,9 @@ def configurations(config: BenchConfig) -> list[Configuration]:
     if config.draft:
         what = "EAGLE-style head on the target worker" if head else "draft model"
         out.append(Configuration(SPECDEC_DRAFT, "4", f"specdec, {what} (k≤{k}, adaptive)", config.draft))
+        if head:
+            out.append(Configuration(SPECDEC_DRAFT_CHAIN, "4", f"specdec, the same head, chain only (k≤{k}, "
+                                     "--min-alt-prob 1)", config.draft, CHAIN_ONLY_ARGS))
     return out
 
 
@@ -110,16 +117,18 @@ class Bench:
         elif config.draft:
             self.draft_model, _ = load_model(config.draft)
             self.draft_serving = serving_lm(self.draft_model)
-        self.stacks: dict[str, SpecdecUp] = {}
+        self.stacks: dict[tuple[str, tuple[str, ...]], SpecdecUp] = {}  # (drafter, up_args) -> its stack
 
     def _pids(self) -> list[int]:
         return [os.getpid(), *(stack.pid for stack in self.stacks.values())]
 
     def start_services(self) -> None:
-        self.stacks[NGRAM] = SpecdecUp(self.config.target, NGRAM, self.config.k, self.config.threads, self.loop)
-        if self.config.draft:
-            self.stacks[self.config.draft] = SpecdecUp(self.config.target, self.config.draft, self.config.k,
-                                                       self.config.threads, self.loop)
+        self.stacks[NGRAM, ()] = SpecdecUp(self.config.target, NGRAM, self.config.k, self.config.threads, self.loop)
+        for configuration in self.configs:
+            key = (configuration.drafter, configuration.up_args)
+            if configuration.name.startswith("specdec_") and configuration.drafter and key not in self.stacks:
+                self.stacks[key] = SpecdecUp(self.config.target, configuration.drafter, self.config.k,
+                                             self.config.threads, self.loop, list(configuration.up_args))
 
     def close(self) -> None:
         for stack in self.stacks.values():
@@ -143,7 +152,7 @@ class Bench:
                 kwargs.update(assistant=self.draft_model, assistant_k=k)
             run = hf_generate(model, prompt_ids, max_new_tokens, self.eos_ids, **kwargs)
         else:
-            stack = self.stacks[configuration.drafter or NGRAM]
+            stack = self.stacks[configuration.drafter or NGRAM, configuration.up_args]
             run = stack.generate(prompt_ids, max_new_tokens, speculate=configuration.drafter is not None)
         return run.token_ids, run.wall_s, run.stats
 

@@ -79,7 +79,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("rounds", "proposed", "accepted", "acceptance_rate", "tokens_per_round", "ttft_s", "tokens_per_s", "prompt_tokens", "generated_tokens", "draft_s", "verify_s", "wire_bytes", "resyncs", "seed", "rejected_blocks")
+    __slots__ = ("rounds", "proposed", "accepted", "acceptance_rate", "tokens_per_round", "ttft_s", "tokens_per_s", "prompt_tokens", "generated_tokens", "draft_s", "verify_s", "wire_bytes", "resyncs", "seed", "rejected_blocks", "alternative_tokens")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class GenerationStats(_message.Message):
     RESYNCS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ALTERNATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     proposed: int
     accepted: int
@@ -110,4 +111,5 @@ class GenerationStats(_message.Message):
     resyncs: int
     seed: int
     rejected_blocks: int
-    def __init__(self, rounds: _Optional[int] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_round: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., resyncs: _Optional[int] = ..., seed: _Optional[int] = ..., rejected_blocks: _Optional[int] = ...) -> None: ...
+    alternative_tokens: int
+    def __init__(self, rounds: _Optional[int] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_round: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., resyncs: _Optional[int] = ..., seed: _Optional[int] = ..., rejected_blocks: _Optional[int] = ..., alternative_tokens: _Optional[int] = ...) -> None: ...

@@ -48,7 +48,7 @@ class VerifyBatchResponse(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[VerifyResponse, _Mapping]]] = ..., step_s: _Optional[float] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("accepted", "next_token", "cached_len", "compute_s", "feature_start", "features", "next_drafts")
+    __slots__ = ("accepted", "next_token", "cached_len", "compute_s", "feature_start", "features", "next_drafts", "extra_tokens")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +56,7 @@ class Verdict(_message.Message):
     FEATURE_START_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     NEXT_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_TOKENS_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     next_token: int
     cached_len: int
@@ -63,4 +64,5 @@ class Verdict(_message.Message):
     feature_start: int
     features: bytes
     next_drafts: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cached_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., feature_start: _Optional[int] = ..., features: _Optional[bytes] = ..., next_drafts: _Optional[_Iterable[int]] = ...) -> None: ...
+    extra_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cached_len: _Optional[int] = ..., compute_s: _Optional[float] = ..., feature_start: _Optional[int] = ..., features: _Optional[bytes] = ..., next_drafts: _Optional[_Iterable[int]] = ..., extra_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
