@@ -16,8 +16,11 @@ alternative at d is the target's own choice there, the target's token after that
 alternative is committed too (Verdict.extra): every committed token is still the target's
 greedy choice given the tokens before it. The leaves enter the cache after the chain and
 are cropped with it; a committed alternative is fed again next round, like the next token.
-Sampled rounds run the chain alone (accepting among several candidates needs a multi-draft
-rule, not implemented).
+Sampled rounds take alternatives the same way: the target's token at a position is its own
+draw (Philox, keyed by seed and absolute position) from its distribution given the tokens
+before, so where that draw at the cut is the alternative, its draw at the next position
+from the alternative's leaf is what the target alone would draw there — no multi-draft
+acceptance rule is needed when drafts carry no probabilities (kernels/rejection_sample.py).
 """
 
 from __future__ import annotations
@@ -158,7 +161,8 @@ class Verifier:
                 # the target's choice after it (its leaf's logits) are committed as well.
                 leaf = next((j for j, (depth, token) in enumerate(alt)
                              if depth == accepted_n < len(rounds[i].drafts) and token == next_id), None)
-                extra = (int(torch.argmax(alt_logits[leaf])),) if leaf is not None else ()
+                extra = (self._decide(alt_logits[leaf:leaf + 1], [], len(synced.context) + accepted_n + 1,
+                                      rounds[i].sampling)[1],) if leaf is not None else ()
                 if states is not None:
                     # The fed committed tokens, then the accepted drafts: all now committed.
                     fed_chain = len(fed) - len(alt)
@@ -185,10 +189,9 @@ class Verifier:
         return BatchOutcome(results, step_s, rows)
 
     def _alternatives(self, rnd: Round, session) -> list[tuple[int, int]]:
-        """The head's alternatives (depth, token) to score with this round's drafts: greedy
-        rounds that verify the head's own draft, on a model that runs tree blocks."""
-        if (self.head is None or not rnd.drafts or not rnd.sampling.greedy or rnd.features
-                or not self.lm.batches_in_one_pass):
+        """The head's alternatives (depth, token) to score with this round's drafts: rounds
+        that verify the head's own draft, on a model that runs tree blocks."""
+        if self.head is None or not rnd.drafts or rnd.features or not self.lm.batches_in_one_pass:
             return []
         return self.head.alternatives(session, rnd.drafts)
 

@@ -3,7 +3,7 @@ tree block scores every branch exactly as a forward pass over that branch alone 
 verifier commits an alternative and the target's token after it only where the chain was
 cut at the alternative's depth and the target chose it; through the services, a head whose
 alternatives are often the target's choice gives more tokens per round and the output is
-still the target's alone, token for token."""
+still the target's alone, token for token, greedy and seeded-sampled."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from specdec import distill
 from specdec.client import Client, make_request
 from specdec.cpu_fast import serving_lm
 from specdec.ragged import check_tree
-from tests.harness import reference_greedy, run, running_stack
+from specdec.sessions import Resync
+from tests.harness import reference_greedy, reference_sample, run, running_stack
 from tests.test_batching import cpu_only, fresh_sessions, tokens
 # The tiny target and tokenizer fixtures, a random head for it, and the option that has it
 # draft what is asked.
@@ -77,16 +78,17 @@ def test_a_tree_names_only_earlier_parents():
             check_tree(bad)
 
 
-def oracle(head, target, tokenizer, prompts, wrong_at: int = 1):
+def oracle(head, target, tokenizer, prompts, wrong_at: int = 1, answer=None):
     """Makes the head on the target worker draft, for any context on the way to a prompt's
-    greedy answer, the answer's next 3 tokens with the one at depth `wrong_at` replaced by a
-    wrong token, the right one as that depth's alternative, and a wrong alternative at depth
-    0 (the chain is right there, so it must never be used). The head's own chain still runs
-    first, so its state moves as it would."""
+    answer (greedy, or answer(prompt ids, n)), the answer's next 3 tokens with the one at
+    depth `wrong_at` replaced by a wrong token, the right one as that depth's alternative,
+    and a wrong alternative at depth 0 (the chain is right there, so it must never be used).
+    The head's own chain still runs first, so its state moves as it would."""
+    answer = answer or (lambda ids, n: reference_greedy(target, ids, n))
     answers = []
     for text in prompts:
         ids = distill.chat_ids(tokenizer, text)
-        answers.append(ids + reference_greedy(target, ids, MAX_NEW + 4))
+        answers.append(ids + answer(ids, MAX_NEW + 4))
     original = head.drafter.propose_tree
     vocab = target.config.vocab_size
     calls = []
@@ -132,21 +134,62 @@ def test_alternatives_the_target_chose_are_committed_and_output_is_the_targets(t
 
 
 @cpu_only
-def test_sampled_rounds_and_switched_off_alternatives_run_the_chain_alone(target, tokenizer):
-    request = dict(max_new_tokens=MAX_NEW, k=4, temperature=0.9, top_p=0.95, seed=7)
+def test_sampled_alternatives_that_are_the_targets_draw_are_committed_and_output_is_its_sampling(target, tokenizer):
+    # The target's own seeded draws (reference_sample) are what the oracle's alternatives name:
+    # its draw at the cut is the alternative, and the draw after it comes from the leaf.
+    params = dict(temperature=0.9, top_p=0.95, seed=7)
 
-    async def scenario(min_alt_prob, sample):
-        async with running_stack(target, tokenizer, target_head=make_head(target),
-                                 target_options={**ALWAYS, "min_alt_prob": min_alt_prob}) as stack:
-            calls = oracle(stack.target_servicer.verifier.head, target, tokenizer, PROMPTS)
+    def sample(ids, n):
+        return reference_sample(target, ids, n, params["temperature"], top_p=params["top_p"], seed=params["seed"])
+
+    async def scenario():
+        async with running_stack(target, tokenizer, target_head=make_head(target), target_options=ALWAYS) as stack:
+            calls = oracle(stack.target_servicer.verifier.head, target, tokenizer, PROMPTS, answer=sample)
             async with Client(stack.address) as client:
-                results = [await client.complete(make_request(p, **(request if sample else
-                                                                     {"max_new_tokens": MAX_NEW, "k": 4})))
+                results = [await client.complete(make_request(p, max_new_tokens=MAX_NEW, k=4, **params))
                            for p in PROMPTS]
             return results, calls
 
-    sampled, _ = run(scenario(0.05, True))
-    assert all(r.stats["alternative_tokens"] == 0 for r in sampled)
-    greedy, _ = run(scenario(1.0, False))
-    for text, result in zip(PROMPTS, greedy):
+    results, calls = run(scenario())
+    assert calls
+    for text, result in zip(PROMPTS, results):
+        assert result.token_ids == sample(distill.chat_ids(tokenizer, text), MAX_NEW), text
+        assert result.stats["alternative_tokens"] >= 2 * 3, result.stats
+        assert result.stats["tokens_per_round"] > 2.5, result.stats
+
+
+@cpu_only
+@pytest.mark.parametrize("min_alt_prob", [0.0, 1.0], ids=["every-depth", "off"])
+def test_a_random_heads_own_alternatives_leave_the_output_alone(target, tokenizer, min_alt_prob):
+    # The head's real alternatives (at every depth at 0, none at 1), nearly all wrong here.
+    async def scenario():
+        async with running_stack(target, tokenizer, target_head=make_head(target),
+                                 target_options={**ALWAYS, "min_alt_prob": min_alt_prob}) as stack:
+            head = stack.target_servicer.verifier.head
+            head.drafter.lookup_ngram = 0  # every chain the head's own (a copied one has no alternatives)
+            proposed = []
+            original = head.drafter.propose_tree
+
+            def propose_tree(synced, k, features=None):
+                result = original(synced, k, features)
+                if not isinstance(result, Resync):
+                    proposed.append(result)
+                return result
+
+            head.drafter.propose_tree = propose_tree
+            async with Client(stack.address) as client:
+                results = [await client.complete(make_request(p, max_new_tokens=MAX_NEW, k=4)) for p in PROMPTS]
+            return results, proposed
+
+    results, proposed = run(scenario())
+    for text, result in zip(PROMPTS, results):
         assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
+    chains = [(chain, alternatives) for chain, alternatives in proposed if chain]
+    assert chains
+    if min_alt_prob == 0.0:
+        # Every depth of every chain has one, and none names the chain's own token there.
+        assert all([d for d, _ in alternatives] == list(range(len(chain))) for chain, alternatives in chains)
+        assert all(chain[d] != t for chain, alternatives in chains for d, t in alternatives)
+    else:
+        assert all(not alternatives for _, alternatives in chains)
+        assert all(r.stats["alternative_tokens"] == 0 for r in results)
