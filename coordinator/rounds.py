@@ -151,6 +151,7 @@ class RoundRunner:
                                            room)
                 if extra:  # the committed alternative (next_token) and the target's token after it
                     stats.alternative_tokens += max(0, len(new) - verdict.accepted)
+                    metrics.ALTERNATIVE_TOKENS.inc(max(0, len(new) - verdict.accepted))
                 metrics.ROUNDS.inc()
                 metrics.PROPOSED.inc(len(drafts))
                 metrics.ACCEPTED.inc(verdict.accepted)

@@ -35,6 +35,9 @@ GENERATED_TOKENS = Counter("specdec_generated_tokens_total", "Tokens streamed to
 ROUNDS = Counter("specdec_rounds_total", "Speculative rounds (one Verify each)")
 PROPOSED = Counter("specdec_proposed_tokens_total", "Draft tokens proposed")
 ACCEPTED = Counter("specdec_accepted_tokens_total", "Draft tokens accepted by the target")
+ALTERNATIVE_TOKENS = Counter("specdec_alternative_tokens_total",
+                             "Tokens committed from a head's alternatives (the chosen alternative and the "
+                             "target's token after it)")
 ACCEPTED_LENGTH = Histogram(
     "specdec_accepted_length", "Tokens committed per round (accepted drafts + the target's own)",
     buckets=tuple(range(1, 18)),

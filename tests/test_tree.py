@@ -11,6 +11,7 @@ import asyncio
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from specdec import distill
 from specdec.client import Client, make_request
@@ -121,8 +122,12 @@ def test_alternatives_the_target_chose_are_committed_and_output_is_the_targets(t
                                                     for p in PROMPTS])
             return concurrent, calls
 
+    before = REGISTRY.get_sample_value("specdec_alternative_tokens_total") or 0.0
     results, calls = run(scenario())
     assert calls
+    # Operators see them too: the coordinator's counter moved by what the requests report.
+    after = REGISTRY.get_sample_value("specdec_alternative_tokens_total")
+    assert after - before == sum(r.stats["alternative_tokens"] for r in results)
     for text, result in zip(PROMPTS, results):
         assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
         stats = result.stats
