@@ -37,6 +37,7 @@ class CausalLM:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self._ragged: bool | None = None  # whether feed_batch packs sessions; None: not yet checked
+        self._trees: bool | None = None  # whether feed takes tree blocks; None: not yet checked
         self._cache_kwarg = cache_kwarg(model)
 
     @property
@@ -130,15 +131,28 @@ class CausalLM:
                 handle.remove()
 
     @torch.inference_mode()
-    def feed(self, session: Session, tokens: list[int], logits_to_keep: int) -> torch.Tensor:
+    def feed(self, session: Session, tokens: list[int], logits_to_keep: int,
+             parents: list[int] | None = None) -> torch.Tensor:
         """Runs `tokens` through the model on top of the session's cache in ONE forward pass
-        and returns the logits of the last `logits_to_keep` positions: [logits_to_keep, V]."""
+        and returns the logits of the last `logits_to_keep` positions: [logits_to_keep, V].
+        With `parents` (specdec.ragged.RaggedBatch.parents; where runs_trees) the tokens are a
+        tree: each at its depth, attending to the cache, its ancestors and itself."""
         assert tokens, "feed needs at least one token"
         assert session.cache.get_seq_length() == len(session.ids), "cache and ids out of step"
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
+        tree = {}
+        if parents is not None:
+            from specdec.ragged import tree_mask, tree_positions
+
+            past = len(session.ids)
+            visible = tree_mask(parents, past, self.device)  # [1, 1, n, past + n] bool
+            # Additive, in the model's dtype: what transformers' sdpa and eager attention add.
+            mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+            tree = {"attention_mask": mask.masked_fill(~visible, torch.finfo(self.dtype).min),
+                    "position_ids": tree_positions(parents, past, self.device)[None]}
         try:
             out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=logits_to_keep,
-                             **{self._cache_kwarg: session.cache})
+                             **tree, **{self._cache_kwarg: session.cache})
         except BaseException:
             # Some layers may have grown and others not: the cache is no longer trustworthy.
             # Forget it, so the next round asks the coordinator for a resync and rebuilds.
@@ -159,6 +173,19 @@ class CausalLM:
                 log.info("batched rounds run one session at a time: %s", reason)
         return self._ragged
 
+    @property
+    def runs_trees(self) -> bool:
+        """Whether feed and feed_batch take tree blocks (`parents`): in the packed forward,
+        or one session at a time on a model whose attention takes a custom mask."""
+        if self._trees is None:
+            from specdec.ragged import supports_plain_trees
+
+            reason = None if self.batches_in_one_pass else supports_plain_trees(self.model)
+            self._trees = reason is None
+            if reason is not None:
+                log.info("no tree blocks (a head's alternatives are not scored): %s", reason)
+        return self._trees
+
     @torch.inference_mode()
     def feed_batch(self, sessions: list[Session], token_lists: list[list[int]], logits_to_keep: list[int],
                    features: bool = False, aux_layers: tuple[int, ...] = (),
@@ -169,11 +196,12 @@ class CausalLM:
         features=True, (those logits, per session the final hidden states of every fed
         position, [len(token_lists[i]), H], then the states after decoder layers aux_layers:
         [len(token_lists[i]), H·(1 + len(aux_layers))]). parents[i], when given, makes session
-        i's tokens a tree (specdec.ragged.RaggedBatch.parents; only where batches_in_one_pass):
-        all of them enter its cache, and the caller crops the ones not kept."""
+        i's tokens a tree (specdec.ragged.RaggedBatch.parents; only where runs_trees): all of
+        them enter its cache, and the caller crops the ones not kept."""
         trees = parents is not None and any(p is not None for p in parents)
-        if trees and not self.batches_in_one_pass:
-            raise ValueError("tree blocks need the packed forward (specdec.ragged), which this model cannot run")
+        if trees and not self.runs_trees:
+            raise ValueError("tree blocks need the packed forward (specdec.ragged) or an attention that takes a "
+                             "custom mask, and this model has neither")
         if features:
             with self._capturing_features(tuple(aux_layers)) as captured:
                 logits = self.feed_batch(sessions, token_lists, logits_to_keep, parents=parents)
@@ -181,7 +209,8 @@ class CausalLM:
             return logits, list(torch.split(hidden, [len(t) for t in token_lists]))
         assert len({id(s) for s in sessions}) == len(sessions), "a session appears twice in a batch"
         if (len(sessions) == 1 and not trees) or not self.batches_in_one_pass:
-            return [self.feed(s, t, k) for s, t, k in zip(sessions, token_lists, logits_to_keep)]
+            trees_of = parents if trees else [None] * len(sessions)
+            return [self.feed(s, t, k, p) for s, t, k, p in zip(sessions, token_lists, logits_to_keep, trees_of)]
         from specdec.ragged import packed_forward
 
         for session, tokens in zip(sessions, token_lists):

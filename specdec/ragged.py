@@ -70,13 +70,8 @@ class RaggedBatch:
         parts = []
         for i, (p, n) in enumerate(zip(self.past, self.lengths)):
             parents = self._parents(i)
-            if parents is None:
-                parts.append(torch.arange(p, p + n, device=device))
-            else:
-                depth: list[int] = []
-                for parent in parents:
-                    depth.append(depth[parent] + 1 if parent >= 0 else 0)
-                parts.append(torch.tensor(depth, dtype=torch.long, device=device) + p)
+            parts.append(torch.arange(p, p + n, device=device) if parents is None else
+                         tree_positions(parents, p, device))
         return torch.cat(parts)[None]
 
     def build_masks(self, device: torch.device) -> None:
@@ -157,13 +152,26 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, scaling: floa
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()  # [1, T, heads, d]
 
 
-def supports_ragged(model: torch.nn.Module) -> str | None:
-    """None when `model` can run packed batches; otherwise why not."""
-    from specdec.cpu_fast import CPU_ATTENTION
+def tree_positions(parents: list[int], past: int, device: torch.device) -> torch.Tensor:
+    """[n]: each tree token's absolute position, past + its depth."""
+    depth: list[int] = []
+    for parent in parents:
+        depth.append(depth[parent] + 1 if parent >= 0 else 0)
+    return torch.tensor(depth, dtype=torch.long, device=device) + past
 
+
+def supports_plain_trees(model: torch.nn.Module) -> str | None:
+    """None when `model`, served as it is (no packed forward), can run a tree block alone:
+    its attention takes a ready additive 4D mask (transformers' sdpa and eager do) and every
+    layer attends to the whole context; otherwise why not."""
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != CPU_ATTENTION:
-        return "the model is not served with specdec's attention function"
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
+        return f"attention {implementation!r} does not take a custom mask"
+    return _full_attention_only(config)
+
+
+def _full_attention_only(config) -> str | None:
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder models are not supported"
     layer_types = getattr(config, "layer_types", None) or []
@@ -173,6 +181,16 @@ def supports_ragged(model: torch.nn.Module) -> str | None:
     if window and getattr(config, "use_sliding_window", True) and window < getattr(config, "max_position_embeddings", 0):
         return "the model uses a sliding window"
     return None
+
+
+def supports_ragged(model: torch.nn.Module) -> str | None:
+    """None when `model` can run packed batches; otherwise why not."""
+    from specdec.cpu_fast import CPU_ATTENTION
+
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "_attn_implementation", None) != CPU_ATTENTION:
+        return "the model is not served with specdec's attention function"
+    return _full_attention_only(config)
 
 
 @torch.inference_mode()

@@ -191,7 +191,7 @@ class Verifier:
     def _alternatives(self, rnd: Round, session) -> list[tuple[int, int]]:
         """The head's alternatives (depth, token) to score with this round's drafts: rounds
         that verify the head's own draft, on a model that runs tree blocks."""
-        if self.head is None or not rnd.drafts or rnd.features or not self.lm.batches_in_one_pass:
+        if self.head is None or not rnd.drafts or rnd.features or not self.lm.runs_trees:
             return []
         return self.head.alternatives(session, rnd.drafts)
 

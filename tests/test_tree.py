@@ -19,6 +19,7 @@ from specdec.cpu_fast import serving_lm
 from specdec.ragged import check_tree
 from specdec.sessions import Resync
 from tests.harness import reference_greedy, reference_sample, run, running_stack
+from tests.factories import TEST_DEVICE
 from tests.test_batching import cpu_only, fresh_sessions, tokens
 # The tiny target and tokenizer fixtures, a random head for it, and the option that has it
 # draft what is asked.
@@ -29,11 +30,13 @@ PROMPTS = ["Explain how tides work.", "Write a haiku about rain.", "def add(a, b
 
 
 def plain_logits(target, ids: list[int], last: int) -> torch.Tensor:
+    """The model alone over the whole sequence: the last `last` positions' logits, on the CPU."""
     with torch.no_grad():
-        return target(torch.tensor([ids])).logits[0, -last:].float()
+        return target(torch.tensor([ids], device=target.device)).logits[0, -last:].float().cpu()
 
 
 def close(actual, expected):
+    actual = actual.cpu()
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
     assert torch.equal(actual.argmax(-1), expected.argmax(-1))
 
@@ -59,17 +62,37 @@ def test_a_tree_block_scores_each_branch_as_that_branch_alone(target):
     close(again, plain_logits(target, context + chain[:2] + [23, 9], 2))
 
 
-@cpu_only
-def test_one_session_tree_runs_packed_and_trees_need_the_packed_forward(target):
-    lm = serving_lm(target)
-    context = tokens(12, 3)
-    session = fresh_sessions(lm, [context[:-1]])
-    out = lm.feed_batch(session, [context[-1:] + [40, 41, 50]], [4], parents=[[-1, 0, 1, 0]])[0]
-    close(out[3], plain_logits(target, context + [50], 1)[0])
-    plain = serving_lm(target, False)  # stock attention: no packed forward
-    assert not plain.batches_in_one_pass
-    with pytest.raises(ValueError, match="packed forward"):
-        plain.feed_batch(fresh_sessions(plain, [context]), [[1, 2]], [2], parents=[[-1, 0]])
+@pytest.mark.parametrize("fast", [True, False], ids=["packed", "stock-attention"])
+def test_one_session_trees_run_packed_or_with_a_custom_mask(target, fast):
+    # Packed: the CPU fast path's forward; stock attention (sdpa, as a GPU serves the model):
+    # one session at a time with an additive 4D mask and explicit positions.
+    if fast and TEST_DEVICE != "cpu":
+        pytest.skip("the packed forward is the CPU fast path's")
+    lm = serving_lm(target, fast)
+    assert lm.runs_trees and lm.batches_in_one_pass == fast
+    context, chain = tokens(12, 3), [40, 41]
+    sessions = fresh_sessions(lm, [context[:-1], tokens(9, 4)])
+    out = lm.feed_batch(sessions, [context[-1:] + chain + [50, 51], [7, 8]], [5, 1],
+                        parents=[[-1, 0, 1, 0, 1], None])
+    close(out[0][:3].cpu(), plain_logits(target, context + chain, 3))
+    close(out[0][3].cpu(), plain_logits(target, context + [50], 1)[0])
+    close(out[0][4].cpu(), plain_logits(target, context + chain[:1] + [51], 1)[0])
+    close(out[1].cpu(), plain_logits(target, tokens(9, 4) + [7, 8], 1))
+    lm.crop(sessions[0], len(context) + 1)
+    again = lm.feed(sessions[0], [51, 3], 2)
+    close(again.cpu(), plain_logits(target, context + chain[:1] + [51, 3], 2))
+
+
+def test_a_model_whose_attention_takes_no_mask_runs_no_trees(tokenizer):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                           sliding_window=16)
+    lm = serving_lm(MistralForCausalLM(config).eval())
+    assert not lm.runs_trees
+    with pytest.raises(ValueError, match="custom mask"):
+        lm.feed_batch(fresh_sessions(lm, [tokens(5, 1)]), [[1, 2]], [2], parents=[[-1, 0]])
 
 
 def test_a_tree_names_only_earlier_parents():
@@ -110,12 +133,16 @@ def oracle(head, target, tokenizer, prompts, wrong_at: int = 1, answer=None):
     return calls
 
 
-@cpu_only
-@pytest.mark.parametrize("options", [{}, {"batching": False}], ids=["batched", "unbatched"])
-def test_alternatives_the_target_chose_are_committed_and_output_is_the_targets(target, tokenizer, options):
+@pytest.mark.parametrize("options, target_options", [({}, {}), ({"batching": False}, {}),
+                                                      ({}, {"cpu_fast_path": False})],
+                         ids=["batched", "unbatched", "stock-attention"])
+def test_alternatives_the_target_chose_are_committed_and_output_is_the_targets(target, tokenizer, options,
+                                                                                target_options):
     async def scenario():
-        async with running_stack(target, tokenizer, target_head=make_head(target), target_options=ALWAYS,
-                                 **options) as stack:
+        async with running_stack(target, tokenizer, target_head=make_head(target),
+                                 target_options={**ALWAYS, **target_options}, **options) as stack:
+            assert stack.target_servicer.verifier.lm.batches_in_one_pass == (TEST_DEVICE == "cpu"
+                                                                             and not target_options)
             calls = oracle(stack.target_servicer.verifier.head, target, tokenizer, PROMPTS)
             async with Client(stack.address) as client:
                 concurrent = await asyncio.gather(*[client.complete(make_request(p, max_new_tokens=MAX_NEW, k=4))
@@ -138,7 +165,6 @@ def test_alternatives_the_target_chose_are_committed_and_output_is_the_targets(t
         assert stats["accepted"] < stats["proposed"]
 
 
-@cpu_only
 def test_sampled_alternatives_that_are_the_targets_draw_are_committed_and_output_is_its_sampling(target, tokenizer):
     # The target's own seeded draws (reference_sample) are what the oracle's alternatives name:
     # its draw at the cut is the alternative, and the draw after it comes from the leaf.
@@ -163,7 +189,6 @@ def test_sampled_alternatives_that_are_the_targets_draw_are_committed_and_output
         assert result.stats["tokens_per_round"] > 2.5, result.stats
 
 
-@cpu_only
 @pytest.mark.parametrize("min_alt_prob", [0.0, 1.0], ids=["every-depth", "off"])
 def test_a_random_heads_own_alternatives_leave_the_output_alone(target, tokenizer, min_alt_prob):
     # The head's real alternatives (at every depth at 0, none at 1), nearly all wrong here.
