@@ -29,7 +29,8 @@ BUILTIN_MODELS = {
 CONVERTED_MARKER = "specdec-converted.txt"
 # Drafts trained by `specdec distill` and committed under the repository's drafts/, by name
 # (present in a checkout or an editable install, not in a wheel or the container image).
-BUILTIN_DRAFTS = {"smollm2-135m-eagle": "smollm2-135m-eagle", "smollm2-135m-eagle3": "smollm2-135m-eagle3"}
+BUILTIN_DRAFTS = {"smollm2-135m-eagle": "smollm2-135m-eagle", "smollm2-135m-eagle3": "smollm2-135m-eagle3",
+                  "smollm2-135m-eagle90": "smollm2-135m-eagle90"}
 DRAFTS_DIR = Path(__file__).resolve().parent.parent / "drafts"
 
 

@@ -103,14 +103,17 @@ def test_the_shipped_eagle_head_changes_speed_only(smollm2):
     assert proposed > 0 and accepted / proposed > 0.2, (accepted, proposed)
 
 
-def test_the_default_head_on_the_target_worker_changes_speed_only(smollm2):
+@pytest.mark.parametrize("name", [None, "smollm2-135m-eagle90"], ids=["default", "eagle90"])
+def test_the_committed_heads_on_the_target_worker_change_speed_only(smollm2, name):
     """The default draft of `specdec up` for SmolLM2 (drafts/smollm2-135m-eagle3, a head that
-    also reads two of SmolLM2's middle layers) run by the target worker as `specdec up` runs
-    it: the output is the target's alone, and most of its draft tokens are accepted."""
+    also reads two of SmolLM2's middle layers), and the head trained within 90 minutes all in
+    (drafts/smollm2-135m-eagle90), run by the target worker as `specdec up` runs them: the
+    output is the target's alone, most draft tokens are accepted, and the head's alternatives
+    (tree leaves) are taken on real prompts."""
     from specdec import eagle, models
 
     model, tokenizer = smollm2
-    spec = models.default_draft("smollm2-135m")
+    spec = name or models.default_draft("smollm2-135m")
     head = eagle.load(spec, target=model)
     assert head.config.aux_layers  # reads more than the final hidden states
 
@@ -128,3 +131,4 @@ def test_the_default_head_on_the_target_worker_changes_speed_only(smollm2):
     proposed = sum(r.stats["proposed"] for r in results.values())
     accepted = sum(r.stats["accepted"] for r in results.values())
     assert proposed > 0 and accepted / proposed > 0.3, (accepted, proposed)
+    assert sum(r.stats["alternative_tokens"] for r in results.values()) > 0
