@@ -54,7 +54,7 @@ class RaggedBatch:
     # Per session: the causal mask of its block against its cache, None when nᵢ = 1.
     masks: list[torch.Tensor | None] = field(default_factory=list)
     # Per session: None for a causal block, or per new token the index of its parent in the
-    # block (-1: the cache's last token), parents before children.
+    # block (-1: none, it follows the cache directly), parents before children.
     parents: list[list[int] | None] | None = None
 
     def _parents(self, i: int) -> list[int] | None:
