@@ -541,3 +541,30 @@ def test_a_head_reading_aux_layers_is_token_identical_on_the_target(distilled_au
 
     for text, result in zip(SERVICE_PROMPTS, run(scenario())):
         assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
+
+
+def test_single_step_fraction_trains_one_step_then_the_full_unroll(tmp_path, target, tokenizer, monkeypatch, capsys):
+    """--single-step-fraction F: the first F of training (here by steps) unrolls one step
+    only, the rest --unroll steps; what step_loss is given is what the log records. Out of
+    range or with --kind model: refused before any data."""
+    from specdec import distill_eagle
+
+    given: list[int] = []
+    step_loss = distill_eagle.step_loss
+
+    def recording(head, batch, unroll, *args, **kwargs):
+        given.append(unroll)
+        return step_loss(head, batch, unroll, *args, **kwargs)
+
+    monkeypatch.setattr(distill_eagle, "step_loss", recording)
+    target_dir = save_model_dir(tmp_path / "target", target, tokenizer)
+    out = tmp_path / "head"
+    assert main(tiny_run_args(target_dir, out, 20, "--kind", "eagle", "--draft-vocab", "96", "--unroll", "3",
+                              "--single-step-fraction", "0.5", "--log-every", "1")) == 0
+    assert given == [1] * 10 + [3] * 10
+    record = json.loads((out / "distill.json").read_text())
+    assert [h["unroll"] for h in record["history"] if "loss" in h] == given
+    for extra in (("--kind", "eagle", "--single-step-fraction", "1"), ("--single-step-fraction", "0.5")):
+        assert main(tiny_run_args(target_dir, tmp_path / "refused", 4, *extra)) != 0
+        assert "--single-step-fraction" in capsys.readouterr().err
+        assert not (tmp_path / "refused.work" / "data").exists()
