@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--target", default=DEFAULT_TARGET, help="target model spec (default %(default)s)")
     up.add_argument("--draft", default=None,
                     help="draft model or head spec, 'ngram' or 'none' (default: the built-in head trained for the "
-                         "target if there is one — smollm2-135m-eagle3 for smollm2-135m — else ngram)")
+                         "target if there is one — smollm2-135m-eagle90 for smollm2-135m — else ngram)")
     up.add_argument("--k", type=int, default=DEFAULT_K, help="default speculative tokens per round")
     _add_coordinator_flags(up)
 

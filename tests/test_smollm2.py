@@ -103,11 +103,11 @@ def test_the_shipped_eagle_head_changes_speed_only(smollm2):
     assert proposed > 0 and accepted / proposed > 0.2, (accepted, proposed)
 
 
-@pytest.mark.parametrize("name", [None, "smollm2-135m-eagle90"], ids=["default", "eagle90"])
+@pytest.mark.parametrize("name", [None, "smollm2-135m-eagle3"], ids=["default", "eagle3"])
 def test_the_committed_heads_on_the_target_worker_change_speed_only(smollm2, name):
-    """The default draft of `specdec up` for SmolLM2 (drafts/smollm2-135m-eagle3, a head that
-    also reads two of SmolLM2's middle layers), and the head trained within 90 minutes all in
-    (drafts/smollm2-135m-eagle90), run by the target worker as `specdec up` runs them: the
+    """The default draft of `specdec up` for SmolLM2 (drafts/smollm2-135m-eagle90, a head that
+    also reads two of SmolLM2's middle layers, trained within 90 minutes all in), and the
+    158-minute one (drafts/smollm2-135m-eagle3), run by the target worker as `specdec up` runs them: the
     output is the target's alone, most draft tokens are accepted, and the head's alternatives
     (tree leaves) are taken on real prompts."""
     from specdec import eagle, models
