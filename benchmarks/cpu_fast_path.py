@@ -1,4 +1,4 @@
-"""Before/after of the CPU fast path (specdec.cpu_fast), on the target worker's own code path.
+"""Before/after of the CPU fast path (specdec.runtime.cpu), on the target worker's own code path.
 
 Stages, each on top of the previous: the stock model (MKL linears, transformers' SDPA with
 repeated KV heads, DynamicCache), + oneDNN packed linears, + grouped-query attention inside
@@ -33,8 +33,8 @@ MAX_NEW = 96
 
 
 def stages(model):
-    from specdec.cpu_fast import fast_cpu_model, new_cache
-    from specdec.lm import CausalLM
+    from specdec.runtime.cpu import fast_cpu_model, new_cache
+    from specdec.runtime.lm import CausalLM
 
     return {
         "stock (MKL, DynamicCache)": CausalLM(model),
@@ -45,7 +45,7 @@ def stages(model):
 
 
 def step_costs(lm, context: list[int], k: int) -> dict:
-    from specdec.bench.costs import measure_target
+    from specdec.runtime.costs import measure_target
 
     costs = measure_target(lm, context, k, repeats=REPEATS)
     return {"step_ms": costs.target_step_s * 1e3, "verify_ms": costs.verify_s * 1e3, "v": costs.v}
@@ -54,7 +54,7 @@ def step_costs(lm, context: list[int], k: int) -> dict:
 def decode(lm, prompt_ids: list[int], k: int, eos: int) -> dict:
     """Greedy decoding through the target worker's Verifier: k = 0 target alone, else n-gram
     drafts of up to k tokens per round. Returns tokens/s and the tokens."""
-    from draft_worker.drafters.ngram import lookup
+    from specdec.ngram import lookup
     from specdec.sessions import SessionStore
     from target_worker.verify import Verifier
 

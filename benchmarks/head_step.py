@@ -43,7 +43,7 @@ ALT_THRESHOLDS = (0.02, 0.05, 0.1)
 
 
 def time_steps(heads: dict, target_lm, context: list[int]) -> dict[str, float]:
-    from specdec.bench.costs import measure_head, measure_target
+    from specdec.runtime.costs import measure_head, measure_target
 
     samples: dict[str, list[float]] = {name: [] for name in heads}
     samples["target step"] = []
@@ -60,7 +60,7 @@ def chains(head, examples, index_of, k: int) -> list[tuple[int, int, list, list,
     chains drafted after each committed position c: step s+1's top-1 probability and whether
     its token is the reference's (teacher-forced features, as served), and the same for its
     second choice."""
-    from specdec.distill_eagle import collate
+    from specdec.train.distill_eagle import collate
 
     out = []
     for start in range(0, len(examples), 16):
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
 
     from specdec import eagle
-    from specdec.cpu_fast import serving_lm
+    from specdec.runtime.load import serving_lm
     from specdec.models import load_model, local_path
 
     plain = eagle.load(args.head)
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
 
     work = Path(args.work) if args.work else Path(str(local_path(args.head)) + ".work")
     if (work / "data").is_dir():
-        from specdec.distill_eagle import load_examples
+        from specdec.train.distill_eagle import load_examples
 
         examples = load_examples(work, "heldout", tuple(plain.config.aux_layers))
         index_of = torch.full((int(plain.embed.shape[0]),), -1, dtype=torch.long)

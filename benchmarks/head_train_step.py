@@ -46,8 +46,9 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from specdec import distill, distill_eagle, eagle
-    from specdec.distill_prompts import HELDOUT, TRAIN
+    from specdec import eagle
+    from specdec.train import distill, distill_eagle
+    from specdec.train.prompts import HELDOUT, TRAIN
     from specdec.models import eos_token_ids, load_model
 
     aux = tuple(int(x) for x in args.aux_layers.split(",") if x)

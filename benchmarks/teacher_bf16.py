@@ -52,7 +52,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from specdec.distill import _teacher_for_generation, teacher_generate
+    from specdec.train.distill import _teacher_for_generation, teacher_generate
     from specdec.models import eos_token_ids, load_model
 
     target, tokenizer = load_model(args.target)

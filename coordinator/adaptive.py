@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specdec.speedup import expected_tokens
+
 # Costs in target steps, measured on the CPU fast path (SmolLM2-135M, 2 cores, 60–230-token
 # contexts, `specdec bench`): a Propose round trip ~5% of a step; a 5-token verification
 # 1.13–1.23 steps, i.e. ~4.5% per draft token.
@@ -69,11 +71,6 @@ PROBE_EVERY = 4
 MAX_PROBE_EVERY = 16
 PROBE_K = 2
 PROBE_BUDGET = 0.035
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Tokens a round commits with k drafts at per-token acceptance alpha (bonus included)."""
-    return k + 1.0 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 class DrafterRecord:

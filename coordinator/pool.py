@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specdec.tls import ClientTLS, channel
+from specdec.security.tls import ClientTLS, channel
 
 log = logging.getLogger(__name__)
 

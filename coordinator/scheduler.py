@@ -4,7 +4,7 @@ Every request runs its own round loop (coordinator.rounds); when a round needs a
 does not call the worker itself but queues its part of the next *step* on the replica that
 holds its session. One step per replica is in flight at a time, and one step is ONE batched
 call (VerifyBatch / ProposeBatch) that the worker runs as one forward pass over all the
-sessions in it (specdec.ragged). While a step runs, the rounds of other requests queue up;
+sessions in it (specdec.runtime.packed). While a step runs, the rounds of other requests queue up;
 when it returns, every queued round (up to the step's budget) goes in the next one. So
 requests join and leave between steps, a finished or cancelled request simply stops
 queueing, and nobody waits for anyone's whole generation — the iteration-level scheduling

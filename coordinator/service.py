@@ -16,7 +16,7 @@ from coordinator.validation import plan_request, render_prompt, request_id_of
 from coordinator.pool import resolve_dns
 from coordinator.workers import DraftClient, TargetClient, model_shape
 from specdec import logs, metrics
-from specdec.auth import AuthInterceptor, TokenSet, client_identity
+from specdec.security.auth import AuthInterceptor, TokenSet, client_identity
 from specdec.config import CoordinatorConfig
 from specdec.errors import FailedPrecondition, ResourceExhausted, SpecdecError, Unavailable
 from specdec.models import load_tokenizer, vocab_hash

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 
 from draft_worker.drafters.base import Drafter
-from draft_worker.drafters.eagle import Features
+from specdec.eagle.policy import Features
 from specdec.errors import InvalidArgument, SpecdecError
 from specdec.sessions import Resync, SessionStore
 

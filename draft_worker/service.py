@@ -6,16 +6,16 @@ import logging
 
 import grpc
 
-from draft_worker.drafters.eagle import EagleDrafter
+from specdec.eagle.policy import EagleDrafter
 from draft_worker.drafters.model import ModelDrafter
 from draft_worker.drafters.ngram import NgramDrafter
 from draft_worker.propose import Proposer, Request
 from specdec import logs, metrics
 from specdec.config import WorkerConfig
-from specdec.cpu_fast import serving_lm
+from specdec.runtime.load import serving_lm
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec import eagle
-from specdec.eagle import is_eagle_dir
+from specdec.eagle.checkpoint import is_eagle_dir
 from specdec.models import NGRAM, load_model, vocab_hash
 from specdec.serving import ModelThread, RunningServer, start_server
 from specdec.sessions import Resync, SessionStore

@@ -53,8 +53,8 @@ class Completion:
 
 class Client:
     def __init__(self, address: str, max_message_bytes: int = 16 * 1024 * 1024, tls=None, token: str | None = None):
-        """tls: a specdec.tls.ClientTLS to connect over TLS; token: a bearer token."""
-        from specdec.tls import channel
+        """tls: a specdec.security.tls.ClientTLS to connect over TLS; token: a bearer token."""
+        from specdec.security.tls import channel
 
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes)]

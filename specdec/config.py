@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.tls import ClientTLS, ServerTLS
+from specdec.security.tls import ClientTLS, ServerTLS
 
 DEFAULT_COORDINATOR_PORT = 50051
 DEFAULT_TARGET_PORT = 50052
@@ -55,7 +55,7 @@ class WorkerConfig:
     """Most rounds (sessions) one VerifyBatch / ProposeBatch call may carry."""
     cpu_fast_path: bool = True
     """On CPU, serve a copy of the model with oneDNN-packed linears, grouped-query attention
-    inside SDPA and buffered KV caches (specdec.cpu_fast); a feature-level head gets packed
+    inside SDPA and buffered KV caches (specdec.runtime.cpu); a feature-level head gets packed
     bfloat16 weights (specdec.eagle.fast_cpu_head); no effect on other devices."""
     head: str | None = None
     """Target only: a feature-level draft head (directory or built-in name) to run next to
@@ -63,7 +63,7 @@ class WorkerConfig:
     min_chain_prob: float = 0.15
     """A feature-level head stops its chain before the token that would bring its own
     probability of the whole chain being right below this (0: always draft what is asked;
-    draft_worker.drafters.eagle)."""
+    specdec.eagle.policy)."""
     min_alt_prob: float = 0.05
     """Target only: a head next to the target also proposes its second choice at a depth of
     its chain where its probability of being right is at least this, scored as a tree leaf

@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specdec.config import ServerConfig
 from specdec.errors import ErrorMappingInterceptor
-from specdec.tls import check_plaintext_allowed
+from specdec.security.tls import check_plaintext_allowed
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

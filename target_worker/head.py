@@ -21,7 +21,7 @@ session rebuilt from position 0 rebuilds the head's. Should the features ever ha
 session gets no drafts until it is rebuilt from 0: drafts only ever cost speed.
 
 With each draft the head hands out it keeps its alternatives (second choices at some depths,
-draft_worker.drafters.eagle); the next round's verification scores them as tree leaves when
+specdec.eagle.policy); the next round's verification scores them as tree leaves when
 its draft tokens are that draft or a prefix of it (target_worker.verify).
 """
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draft_worker.drafters.eagle import EagleDrafter, Features
+from specdec.eagle.policy import EagleDrafter, Features
 from specdec.sessions import Resync, Session, SyncedContext, common_prefix_len
 
 
@@ -111,7 +111,7 @@ def load_inline_head(spec: str | None, target, head=None, fast: bool = True,
     """The head named by `spec` (a head directory or built-in name), or the given EagleHead,
     on top of the loaded `target` model; None when neither is given."""
     from specdec import eagle
-    from draft_worker.drafters.eagle import MIN_ALT_PROB, MIN_CHAIN_PROB
+    from specdec.eagle.policy import MIN_ALT_PROB, MIN_CHAIN_PROB
 
     if head is None and not spec:
         return None

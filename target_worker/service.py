@@ -8,7 +8,7 @@ import grpc
 
 from specdec import logs, metrics
 from specdec.config import WorkerConfig
-from specdec.cpu_fast import serving_lm
+from specdec.runtime.load import serving_lm
 from specdec.models import load_model
 from specdec.sampling import Sampling
 from specdec.serving import ModelThread, RunningServer, start_server

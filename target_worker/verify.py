@@ -10,7 +10,7 @@ when it is fed in the next round.
 
 With a head on this worker (target_worker.head), a greedy round may also score the head's
 alternatives: second-choice tokens at some depths of the draft it handed out, each run as a
-leaf of a tree that branches off the chain at its depth (specdec.ragged's tree blocks: same
+leaf of a tree that branches off the chain at its depth (specdec.runtime.tree's blocks: same
 position, attending to the chain before it). Where the chain is cut at depth d and the
 alternative at d is the target's own choice there, the target's token after that
 alternative is committed too (Verdict.extra): every committed token is still the target's
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.errors import InvalidArgument, SpecdecError
-from specdec.lm import CausalLM
+from specdec.runtime.lm import CausalLM
 from specdec.philox import round_uniforms
 from specdec.sampling import GREEDY, Sampling
 from specdec.sessions import Resync, SessionStore
@@ -100,7 +100,7 @@ class Verifier:
         return result
 
     def verify_batch(self, rounds: list[Round]) -> BatchOutcome:
-        """Many sessions' rounds in ONE forward pass (specdec.ragged). Each result is what
+        """Many sessions' rounds in ONE forward pass (specdec.runtime.packed). Each result is what
         the round alone would give: a Verdict, a Resync, or the error that round alone
         would raise (an invalid round never fails the others)."""
         began = time.perf_counter()
@@ -197,7 +197,7 @@ class Verifier:
 
     @staticmethod
     def _tree(fed_chain: int, drafts: int, alternatives: list[tuple[int, int]]) -> list[int]:
-        """Parents (specdec.ragged.RaggedBatch.parents) of a block of fed_chain tokens, the
+        """Parents (specdec.runtime.tree) of a block of fed_chain tokens, the
         last `drafts` of them the draft, followed by the alternatives: an alternative at
         depth d branches off where draft token d does."""
         committed = fed_chain - drafts

@@ -16,11 +16,12 @@ from coordinator.scheduler import RoundFailed, StepBatcher
 from draft_worker.drafters.model import ModelDrafter
 from draft_worker.propose import Proposer, Request
 from specdec.client import Client, make_request
-from specdec.cpu_fast import serving_lm
+from specdec.runtime.load import serving_lm
 from specdec.errors import InvalidArgument
-from specdec.lm import CausalLM, cache_kwarg
+from specdec.runtime.compat import cache_kwarg
+from specdec.runtime.lm import CausalLM
 from specdec.models import NGRAM
-from specdec.ragged import supports_ragged
+from specdec.runtime.packed import supports_packed
 from specdec.sampling import Sampling
 from specdec.sessions import Resync, Session, SessionStore
 from target_worker.verify import Round, Verdict, Verifier
@@ -50,7 +51,7 @@ def fresh_sessions(lm, contexts: list[list[int]]) -> list[Session]:
 # The packed forward
 
 
-# The packed forward runs with the CPU fast path's attention function (specdec.cpu_fast); on
+# The packed forward runs with the CPU fast path's attention function (specdec.runtime.cpu); on
 # a GPU the model is served as it is and batched rounds run one session at a time.
 cpu_only = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the packed forward is the CPU fast path's")
 
@@ -105,7 +106,7 @@ def test_sliding_window_models_fall_back_to_one_session_at_a_time(tokenizer):
                            sliding_window=16)
     model = MistralForCausalLM(config).eval()
     lm = serving_lm(model)
-    assert "sliding window" in supports_ragged(lm.model) and not lm.batches_in_one_pass
+    assert "sliding window" in supports_packed(lm.model) and not lm.batches_in_one_pass
     contexts = [tokens(30, 3), tokens(5, 4)]
     alone = [lm.feed(s, [9, 10], 2) for s in fresh_sessions(lm, contexts)]
     batched = lm.feed_batch(fresh_sessions(lm, contexts), [[9, 10], [9, 10]], [2, 2])

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from specdec.bench.costs import alpha_from_acceptance_rate, leviathan_speedup, observed_theoretical_speedup
+from specdec.speedup import alpha_from_acceptance_rate, leviathan_speedup, observed_theoretical_speedup
 from specdec.bench.prompts import KINDS
 from tests.factories import make_tiny_model, make_tiny_tokenizer, save_model_dir
 

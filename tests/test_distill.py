@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec import distill, distill_prompts
+from specdec.train import distill
+from specdec.train import prompts as distill_prompts
 from specdec.bench.prompts import PROMPTS as BENCH_PROMPTS
 from specdec.cli import main
 from specdec.client import Client, make_request
@@ -132,7 +133,7 @@ def test_teacher_generation_equals_target_greedy_alone(target, tokenizer):
 def test_generation_captures_aux_layers_as_a_teacher_forced_pass_would(target, tokenizer):
     """The layer states stored while the teacher generates (KV-cached decode steps, rows
     compacted as they finish) are what distill_eagle.extract_aux computes teacher-forced."""
-    from specdec import distill_eagle
+    from specdec.train import distill_eagle
 
     texts = ["Hi", "Write a long poem about the quick brown fox.", "def add(a, b):", "Summarise: the cat sat."]
     prompts = [distill.chat_ids(tokenizer, t) for t in texts]
@@ -391,7 +392,8 @@ def test_eagle_distill_lowers_the_loss_and_resumes(distilled_eagle):
 def test_bf16_logits_give_the_fp32_loss_and_gradient_within_bf16_rounding(distilled_eagle):
     """--bf16-logits only rounds the draft-vocabulary logits: the loss and the gradient are
     the fp32-logits ones to bf16 precision (a wrong product or a dropped gradient is not)."""
-    from specdec import distill_eagle, eagle
+    from specdec import eagle
+    from specdec.train import distill_eagle
 
     work = distilled_eagle["out"].with_name(distilled_eagle["out"].name + ".work")
     examples = distill_eagle.load_examples(work, distill_prompts.TRAIN)[:8]
@@ -417,7 +419,7 @@ def test_feature_noise_is_scaled_to_each_state_and_spares_empty_rows():
     """--feature-noise: U(-a, a) × the RMS of each H-wide state (final, then aux layers, whose
     scales differ by orders of magnitude); zero rows (position 0, padding) stay zero; the
     same generator seed gives the same noise (a resumed run repeats it)."""
-    from specdec import distill_eagle
+    from specdec.train import distill_eagle
 
     hidden, a = 16, 0.2
     torch.manual_seed(0)
@@ -438,7 +440,8 @@ def test_feature_noise_is_scaled_to_each_state_and_spares_empty_rows():
 
 
 def test_feature_noise_reaches_the_loss_and_a_bad_amplitude_is_refused(distilled_eagle, tmp_path, capsys):
-    from specdec import distill_eagle, eagle
+    from specdec import eagle
+    from specdec.train import distill_eagle
 
     work = distilled_eagle["out"].with_name(distilled_eagle["out"].name + ".work")
     head = eagle.load(distilled_eagle["out"])
@@ -547,7 +550,7 @@ def test_single_step_fraction_trains_one_step_then_the_full_unroll(tmp_path, tar
     """--single-step-fraction F: the first F of training (here by steps) unrolls one step
     only, the rest --unroll steps; what step_loss is given is what the log records. Out of
     range or with --kind model: refused before any data."""
-    from specdec import distill_eagle
+    from specdec.train import distill_eagle
 
     given: list[int] = []
     step_loss = distill_eagle.step_loss

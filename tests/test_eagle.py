@@ -115,7 +115,7 @@ def test_a_head_with_aux_layers_starts_as_the_head_it_is_warm_started_from(tmp_p
 
 
 def test_drafter_copies_a_repeated_ngram_and_uses_the_head_otherwise():
-    from draft_worker.drafters.eagle import EagleDrafter, Features
+    from specdec.eagle.policy import EagleDrafter, Features
     from specdec.sessions import SessionStore
 
     head = small_head(3)
@@ -137,14 +137,14 @@ def test_drafter_copies_a_repeated_ngram_and_uses_the_head_otherwise():
 
 
 def _features(context: list[int], seed: int):
-    from draft_worker.drafters.eagle import Features
+    from specdec.eagle.policy import Features
 
     rows = torch.randn(len(context) - 1, 32, generator=torch.Generator().manual_seed(seed)).half()
     return Features(0, rows.numpy().tobytes(), 32)
 
 
 def test_the_chain_stops_where_the_heads_confidence_in_it_runs_out():
-    from draft_worker.drafters.eagle import EagleDrafter
+    from specdec.eagle.policy import EagleDrafter
     from specdec.sessions import SessionStore
 
     head = small_head(4)

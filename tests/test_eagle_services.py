@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from coordinator.workers import FeatureLog
-from specdec import distill, eagle
+from specdec import eagle
+from specdec.train import distill
 from specdec.client import Client, make_request
 from specdec.errors import FailedPrecondition
 from specdec.sessions import SessionStore
@@ -80,7 +81,7 @@ def check_features(target, seen) -> int:
 
 
 def test_verifier_returns_the_committed_positions_features(target):
-    from specdec.cpu_fast import serving_lm
+    from specdec.runtime.load import serving_lm
 
     lm = serving_lm(target)
     verifier = Verifier(lm, SessionStore(8, 1 << 30, lm.bytes_per_token), 8)

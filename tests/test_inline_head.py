@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from specdec import distill
+from specdec.train import distill
 from specdec.client import Client, make_request
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.sessions import SessionStore
@@ -132,7 +132,7 @@ def test_a_session_lost_mid_request_rebuilds_the_head(target, tokenizer, monkeyp
 
 
 def test_draft_next_beyond_the_limit_is_invalid(target):
-    from specdec.cpu_fast import serving_lm
+    from specdec.runtime.load import serving_lm
     from target_worker.head import load_inline_head
 
     lm = serving_lm(target)

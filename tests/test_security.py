@@ -24,7 +24,7 @@ from specdec.config import CoordinatorConfig, ServerConfig, WorkerConfig
 from specdec.errors import FailedPrecondition
 from specdec.metrics import serve_metrics
 from specdec.serving import start_server
-from specdec.tls import ClientTLS, ServerTLS, make_dev_certs
+from specdec.security.tls import ClientTLS, ServerTLS, make_dev_certs
 from specdec.v1 import common_pb2, target_pb2_grpc
 from target_worker import service as target_service
 from tests.harness import reference_greedy, run, running_stack

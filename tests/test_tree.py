@@ -1,4 +1,4 @@
-"""Alternatives scored as tree leaves (specdec.ragged tree blocks, target_worker.verify): a
+"""Alternatives scored as tree leaves (specdec.runtime.tree blocks, target_worker.verify): a
 tree block scores every branch exactly as a forward pass over that branch alone would; the
 verifier commits an alternative and the target's token after it only where the chain was
 cut at the alternative's depth and the target chose it; through the services, a head whose
@@ -13,10 +13,10 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from specdec import distill
+from specdec.train import distill
 from specdec.client import Client, make_request
-from specdec.cpu_fast import serving_lm
-from specdec.ragged import check_tree
+from specdec.runtime.load import serving_lm
+from specdec.runtime.tree import check_tree
 from specdec.sessions import Resync
 from tests.harness import reference_greedy, reference_sample, run, running_stack
 from tests.factories import TEST_DEVICE

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.detokenizer import IncrementalDetokenizer, StopMatcher
-from draft_worker.drafters.ngram import lookup
+from specdec.ngram import lookup
 from specdec.errors import InvalidArgument
 from specdec.sessions import Resync, SessionStore, SyncedContext
 from tests.factories import make_tiny_tokenizer

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.lm import CausalLM
+from specdec.runtime.lm import CausalLM
 from specdec.sessions import SyncedContext
 
 

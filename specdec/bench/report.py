@@ -16,7 +16,7 @@ from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
 
-from specdec.bench import costs
+from specdec import speedup
 from specdec.bench.prompts import GROUNDED, KINDS, OPEN_KINDS
 from specdec.bench.runner import (
     BASELINE, FAST_SUFFIX, HF_ASSISTED_DRAFT, HF_PROMPT_LOOKUP, SPECDEC_DRAFT, SPECDEC_DRAFT_CHAIN, SPECDEC_NGRAM,
@@ -135,9 +135,9 @@ def _speculation(runs, measured: dict, drafter: str, k: int, row: dict) -> dict:
     # accepted/proposed only as a fallback, which assumes full k-token blocks.
     accepted, rejected = stats.get("accepted", 0), stats.get("rejected_blocks")
     alpha = (accepted / (accepted + rejected) if rejected is not None and accepted + rejected
-             else costs.alpha_from_acceptance_rate(rate, k))
+             else speedup.alpha_from_acceptance_rate(rate, k))
     generated = stats.get("generated_tokens") or len(runs[0].token_ids)
-    observed = costs.observed_theoretical_speedup(generated, stats.get("rounds", 0), stats.get("proposed", 0),
+    observed = speedup.observed_theoretical_speedup(generated, stats.get("rounds", 0), stats.get("proposed", 0),
                                                   c, v, k)
     achieved = row["speedup_vs_specdec_target_only"]
     return {
@@ -154,7 +154,7 @@ def _speculation(runs, measured: dict, drafter: str, k: int, row: dict) -> dict:
         "wire_bytes_per_token": stats.get("wire_bytes", 0) / generated if generated else None,
         "c": c,
         "v": v,
-        "theoretical_speedup_closed_form": costs.leviathan_speedup(alpha, k, c, v),
+        "theoretical_speedup_closed_form": speedup.leviathan_speedup(alpha, k, c, v),
         "theoretical_speedup": observed,
         "fraction_of_theoretical": achieved / observed if achieved and observed else None,
     }

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec import eagle
-from specdec.eagle import is_eagle_dir
-from specdec.bench import costs, machine
+from specdec.eagle.checkpoint import is_eagle_dir
+from specdec.bench import machine
+from specdec.runtime import costs
 from specdec.bench.config import BenchConfig
 from specdec.bench.peers import hf_generate
 from specdec.bench.prompts import Prompt
@@ -106,7 +107,7 @@ class Bench:
         self.loop = asyncio.new_event_loop()
         self.model, self.tokenizer = load_model(config.target)
         self.eos_ids = eos_token_ids(self.model, self.tokenizer)
-        from specdec.cpu_fast import serving_lm
+        from specdec.runtime.load import serving_lm
 
         self.serving = serving_lm(self.model)  # what the target worker serves: for c and v
         self.fast_model = self.serving.model if config.fast_peers else None

@@ -37,7 +37,6 @@ config, so a head for SmolLM2-135M is ~10 MB.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -84,19 +83,6 @@ class EagleConfig:
     def load(cls, directory: Path) -> EagleConfig:
         data = json.loads((Path(directory) / CONFIG_NAME).read_text())
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
-
-
-def is_eagle_dir(spec: str) -> bool:
-    """Whether a draft spec names a feature-level head directory."""
-    from specdec.models import local_path
-
-    path = local_path(spec) / CONFIG_NAME
-    if not path.is_file():
-        return False
-    try:
-        return json.loads(path.read_text()).get("specdec_draft") == KIND
-    except (OSError, ValueError):
-        return False
 
 
 class RMSNorm(torch.nn.Module):
@@ -256,6 +242,10 @@ class EagleHead(torch.nn.Module):
     # -- serving: one session's cache ------------------------------------------------------
 
     @torch.inference_mode()
+    def new_cache(self) -> HeadCache:
+        """An empty KV cache for one session of this head, in the dtype of its weights."""
+        return HeadCache(self.config.num_kv_heads, self.config.head_dim, self.fc.weight.dtype, self.embed.device)
+
     def extend(self, cache: HeadCache, features: torch.Tensor, tokens: list[int]) -> torch.Tensor:
         """Feeds n positions (features [n, H] or [n, feature_size] of the positions before
         them, tokens) on top of the cache; returns the predicted features [n, H]."""
@@ -306,79 +296,6 @@ class HeadCache:
         return self.length
 
 
-class PackedHeadLinear(torch.nn.Module):
-    """y = x Wᵀ with W held once in oneDNN's blocked layout, in `dtype` (bfloat16 where the
-    CPU computes it natively); fp32 in and out."""
-
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
-        super().__init__()
-        self.dtype = dtype
-        self.out_features = weight.shape[0]
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), None)
-        self.register_buffer("packed_weight", packed, persistent=False)
-        # What readers of `.weight` learn: the shape and the dtype activations are kept in.
-        self.weight = torch.empty(weight.shape, dtype=torch.float32, device="meta")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]).to(self.dtype), self.packed_weight, None,
-                                               "none", [], "")
-        return y.to(torch.float32).view(*shape[:-1], self.out_features)
-
-
-LINEARS = ("fc", "q", "k", "v", "o", "gate", "up", "down")
-
-
-def fast_cpu_dtype() -> torch.dtype | None:
-    """The dtype the head's packed weights take on this CPU, or None: no oneDNN."""
-    if not torch.backends.mkldnn.is_available():
-        return None
-    return torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
-
-
-def fast_cpu_head(head: EagleHead, dtype: torch.dtype | None = None) -> EagleHead:
-    """The head as the draft worker serves it on CPU: a copy (the given head is untouched)
-    whose eight linears and draft-vocabulary LM head are packed oneDNN weights, bfloat16
-    where the CPU has native bfloat16 dot products (AVX512-BF16/AMX), else fp32.
-
-    A head step is a handful of one-row matrix-vector products, bound by reading weights: on
-    the 2-core EPYC of DESIGN.md a step of the shipped SmolLM2 head measured 3.0 ms through
-    the stock fp32 path (c = 0.10 of a target step), 1.3 ms packed fp32, 0.9 ms packed
-    bfloat16 (c = 0.031); the 8192×576 LM head alone 0.45 ms stock, 0.075 ms packed bf16
-    (`benchmarks/head_step.py`, results/head_step.json). bfloat16 rounds the head's
-    activations, so a draft can differ from the fp32 head's at a near-tie (held-out: the
-    first draft's right/wrong agreed at 99.3% of positions); the target decides every token,
-    so only the acceptance can move. Heads not on CPU, or a torch without oneDNN, are
-    returned as they are."""
-    dtype = dtype or fast_cpu_dtype()
-    if dtype is None or head.fc.weight.device.type != "cpu":
-        return head
-    fast = copy.copy(head)
-    fast._modules = dict(head._modules)
-    for name in LINEARS + (("aux_fc",) if head.config.aux_layers else ()):
-        fast._modules[name] = PackedHeadLinear(getattr(head, name).weight, dtype)
-    fast.lm_head = PackedHeadLinear(head.head, dtype)
-    warm_up(fast)
-    return fast
-
-
-# Row counts run once when a packed head is made: oneDNN compiles a kernel the first time it
-# sees a shape (~2 ms a step here), and a round feeds as many rows as were committed since the
-# head last drafted.
-WARM_ROWS = 64
-
-
-@torch.inference_mode()
-def warm_up(head: EagleHead, rows: int = WARM_ROWS) -> None:
-    """Runs every feed size 1 … rows once on a scratch cache (and the LM head on one row)."""
-    cache = HeadCache(head.config.num_kv_heads, head.config.head_dim, torch.float32)
-    zeros = torch.zeros((rows, head.config.feature_size))
-    for n in range(1, rows + 1):
-        head.extend(cache, zeros[:n], [0] * n)
-        cache.crop(0)
-    head.logits(zeros[0, :head.config.hidden_size])
-
-
 def target_parts(target) -> tuple[torch.Tensor, torch.Tensor]:
     """(input embeddings [V, H], LM head [V, H]) of a target model, float32, detached."""
     embed = target.get_input_embeddings().weight.detach().float()
@@ -411,56 +328,3 @@ def build(config: EagleConfig, target, draft_vocab: torch.Tensor) -> EagleHead:
     embed, head = target_parts(target)
     draft_vocab = draft_vocab.long().to(embed.device)
     return EagleHead(config, embed, head[draft_vocab].clone(), draft_vocab).to(embed.device)
-
-
-def save(head: EagleHead, directory: Path, dtype: torch.dtype = torch.bfloat16) -> None:
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    head.config.save(directory)
-    tensors = {name: p.detach().to(dtype).contiguous() for name, p in head.named_parameters()}
-    tensors["draft_vocab"] = head.draft_vocab.to(torch.int32).contiguous()
-    save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt", "specdec_draft": KIND})
-
-
-def warm_start(head: EagleHead, directory: str | Path) -> list[str]:
-    """Copies into `head` the weights of the head saved in `directory` that it has with the
-    same shape (same target and draft vocabulary required); returns the names it lacked."""
-    from safetensors.torch import load_file
-
-    from specdec.models import local_path
-
-    directory = local_path(str(directory))
-    config = EagleConfig.load(directory)
-    tensors = load_file(str(directory / WEIGHTS_NAME))
-    mine = head.config
-    if (config.hidden_size, config.draft_vocab_size) != (mine.hidden_size, mine.draft_vocab_size) or \
-            not torch.equal(tensors.pop("draft_vocab").long(), head.draft_vocab):
-        raise ValueError(f"{directory} is a head of another shape or draft vocabulary: cannot start from it")
-    own = dict(head.named_parameters())
-    wrong = [k for k, v in tensors.items() if k not in own or own[k].shape != v.shape]
-    if wrong:
-        raise ValueError(f"{directory}: {wrong} do not fit this head")
-    with torch.no_grad():
-        for name, value in tensors.items():
-            own[name].copy_(value.to(own[name].dtype))
-    return sorted(set(own) - set(tensors))
-
-
-def load(directory: str | Path, target=None, dtype: torch.dtype = torch.float32) -> EagleHead:
-    """A head directory and the target it reads (loaded by its spec unless given)."""
-    from safetensors.torch import load_file
-
-    from specdec.models import load_model
-
-    from specdec.models import local_path
-
-    directory = local_path(str(directory))
-    config = EagleConfig.load(directory)
-    tensors = load_file(str(directory / WEIGHTS_NAME))
-    if target is None:
-        target, _ = load_model(config.target)
-    draft_vocab = tensors.pop("draft_vocab").long()
-    head = build(config, target, draft_vocab)
-    head.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()})
-    return head.to(dtype).eval()

@@ -2,7 +2,7 @@
 
 A draft is only worth its cost if the target accepts what it proposes, and a draft accepts
 well when it predicts the *target's* next token, not a corpus's. So the training text is
-the target's own: it answers a built-in, diverse prompt set (specdec.distill_prompts) —
+the target's own: it answers a built-in, diverse prompt set (specdec.train.prompts) —
 greedily, then sampled for variety — and for every generated position the target's top-K
 log-probabilities are stored. The draft then learns those distributions (a top-K
 cross-entropy, i.e. the KL to the renormalised top-K teacher up to a constant) plus a
@@ -48,8 +48,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specdec import distill_prompts
-from specdec.distill_prompts import HELDOUT, TRAIN
+from specdec.train import prompts as distill_prompts
+from specdec.train.prompts import HELDOUT, TRAIN
 
 if TYPE_CHECKING:
     import torch
@@ -410,7 +410,7 @@ def teacher_generate(model, prompts: list[list[int]], *, pad_id: int, eos_ids: l
         return capture
 
     handles = [model.model.layers[i].register_forward_hook(hook(i)) for i in aux_layers]
-    from specdec.lm import cache_kwarg
+    from specdec.runtime.compat import cache_kwarg
 
     cache_key = cache_kwarg(model.model)
 
@@ -499,7 +499,7 @@ def _teacher_for_generation(target, dtype: str = "float32"):
 
     import torch
 
-    from specdec.cpu_fast import agrees, fast_cpu_model, new_cache
+    from specdec.runtime.cpu import agrees, fast_cpu_model, new_cache
 
     if dtype == "bfloat16":
         return copy.deepcopy(target).to(torch.bfloat16).eval(), None
@@ -570,7 +570,7 @@ def generate_data(config: DistillConfig, target, tokenizer, deadline: float) -> 
                                   aux_layers=aux_layers)
         stored = {"shard": asdict(shard), **asdict(result)}
         if aux_layers:  # beside the shard, as extract_aux would write it (written first: a shard implies it)
-            from specdec.distill_eagle import aux_path
+            from specdec.train.distill_eagle import aux_path
 
             aux_file = aux_path(config.work, data_dir / shard.path_name, aux_layers)
             aux_file.parent.mkdir(parents=True, exist_ok=True)
@@ -787,7 +787,7 @@ def evaluate(student, examples: list[Example], pad_id: int, k: int = EVAL_K) -> 
     as the draft is served)."""
     import torch
 
-    from specdec.bench.costs import alpha_from_acceptance_rate
+    from specdec.speedup import alpha_from_acceptance_rate
 
     was_training = student.training
     student.eval()
@@ -934,7 +934,7 @@ def train(config: DistillConfig, student, train_set: list, heldout: list, pad_id
                 group["lr"] = lr
             began = time.monotonic()
             if eagle_kind:
-                from specdec import distill_eagle
+                from specdec.train import distill_eagle
 
                 batch = distill_eagle.collate([train_set[i] for i in picked], pad_id, index_of,
                                               student.config.hidden_size)
@@ -988,7 +988,7 @@ def train(config: DistillConfig, student, train_set: list, heldout: list, pad_id
 
 def evaluate_kind(config: DistillConfig, student, heldout: list, pad_id: int, index_of=None) -> dict:
     if config.kind == EAGLE:
-        from specdec import distill_eagle
+        from specdec.train import distill_eagle
 
         return distill_eagle.evaluate(student, heldout, pad_id, index_of, EVAL_K)
     return evaluate(student, heldout, pad_id)
@@ -1036,10 +1036,10 @@ def export(student, tokenizer, target, out_dir: Path) -> None:
 
 
 def measure_cost_ratio(target, draft, context: list[int]) -> dict:
-    """c: one draft step over one target step, both on the serving path (specdec.cpu_fast),
+    """c: one draft step over one target step, both on the serving path (specdec.runtime.cpu),
     1 new token on a cache holding `context`."""
-    from specdec.bench.costs import measure_draft_model, measure_target
-    from specdec.cpu_fast import serving_lm
+    from specdec.runtime.costs import measure_draft_model, measure_target
+    from specdec.runtime.load import serving_lm
 
     target_s = measure_target(serving_lm(target), context, 1).target_step_s
     draft_s = measure_draft_model(serving_lm(draft), context)
@@ -1226,7 +1226,8 @@ def _run_eagle(config: DistillConfig, target, tokenizer, data: dict, began: floa
     """The rest of `run` for a feature-level head (specdec.eagle)."""
     import torch
 
-    from specdec import distill_eagle, eagle
+    from specdec import eagle
+    from specdec.train import distill_eagle
     from specdec.models import eos_token_ids
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -5,26 +5,26 @@ The tokens of all sessions are concatenated into a single row, [1, T] with T = �
 go through the model once: every linear layer, norm and MLP (nearly all the weights, which
 is what a decoding step on CPU or GPU pays to read) runs once over all T rows. Only
 attention is per session: at each layer, session i's nᵢ keys and values are appended to its
-own cache (`RaggedCache.update`) and its nᵢ queries attend to that cache alone, causally
-(`ragged_attention`). No padding, no copying caches into a batch tensor, and sessions of any
+own cache (`PackedCache.update`) and its nᵢ queries attend to that cache alone, causally
+(`packed_attention`). No padding, no copying caches into a batch tensor, and sessions of any
 context length and any number of new tokens mix freely — the varlen layout vLLM and
 FlashAttention use, done with one SDPA call per session and layer.
 
 Positions are given per token (each session continues at its own cache length), so rotary
 embeddings are those of the session alone; the causal mask inside a session's block is the
-same as in a one-session forward. A session's block may also be a tree (`parents`): each
-token then sits at its depth and attends to the cache, its ancestors and itself — several
+same as in a one-session forward. A session's block may also be a tree (`parents`, specdec.runtime.tree) — several
 candidate continuations of one prefix scored in the same pass (target_worker.verify's
 alternative draft tokens). Tree tokens come after the chain they branch from, so dropping
 them is a crop of the cache's tail. The result equals running each session alone up to float
-rounding of the batched matrix products (tests/test_ragged.py compares them).
+rounding of the batched matrix products (tests/test_batching.py compares them).
 
 This works for decoder-only models whose attention goes through transformers'
 `ALL_ATTENTION_FUNCTIONS` and a cache's `update` — the Llama family (SmolLM2, Llama, Qwen2/3,
 Mistral without a sliding window, …) — when served with specdec's attention function
-(`specdec.cpu_fast.CPU_ATTENTION`). Models with sliding-window layers (Gemma 3) are run one
+(`SPECDEC_ATTENTION`, registered by specdec.runtime.cpu). Models with sliding-window layers (Gemma 3) are run one
 session at a time instead (`CausalLM.feed_batch` falls back); the result is the same.
 """
+
 
 from __future__ import annotations
 
@@ -34,14 +34,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from specdec.lm import cache_kwarg
+from specdec.runtime.compat import cache_kwarg, full_attention_only
+from specdec.runtime.tree import tree_mask, tree_positions
+
+# The attention implementation name registered with transformers for served models: in-SDPA
+# grouped-query attention, and per-session attention inside a packed forward.
+SPECDEC_ATTENTION = "specdec_cpu_sdpa"
 
 # The batch being run by the forward pass in progress on this thread, if any.
-_ACTIVE: contextvars.ContextVar[RaggedBatch | None] = contextvars.ContextVar("specdec_ragged_batch", default=None)
+_ACTIVE: contextvars.ContextVar[PackedBatch | None] = contextvars.ContextVar("specdec_packed_batch", default=None)
 
 
 @dataclass
-class RaggedBatch:
+class PackedBatch:
     """One packed forward: per session its cache, the offset and count of its new tokens in
     the packed row, and its cache length before the step."""
 
@@ -90,32 +95,13 @@ class RaggedBatch:
             self.masks.append((cols <= past + rows)[None, None])  # [1, 1, n, past + n] bool
 
 
-def check_tree(parents: list[int]) -> None:
-    """A block's parent list must name only earlier tokens (or -1, the cache)."""
-    for row, parent in enumerate(parents):
-        if not -1 <= parent < row:
-            raise ValueError(f"tree token {row} has parent {parent}: parents must come before their children")
-
-
-def tree_mask(parents: list[int], past: int, device: torch.device) -> torch.Tensor:
-    """[1, 1, n, past + n] bool: token r sees every cached token, its ancestors and itself."""
-    check_tree(parents)
-    n = len(parents)
-    seen = torch.eye(n, dtype=torch.bool)
-    for row, parent in enumerate(parents):
-        if parent >= 0:
-            seen[row] |= seen[parent]
-    cached = torch.ones((n, past), dtype=torch.bool)
-    return torch.cat([cached, seen], 1)[None, None].to(device)
-
-
-class RaggedCache:
+class PackedCache:
     """What the model sees as its cache during a packed forward: `update` splits the packed
     keys and values per session and appends each part to that session's own cache layer."""
 
     is_compileable = False
 
-    def __init__(self, batch: RaggedBatch):
+    def __init__(self, batch: PackedBatch):
         self.batch = batch
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -133,11 +119,11 @@ class RaggedCache:
         return 0
 
 
-def active() -> RaggedBatch | None:
+def active() -> PackedBatch | None:
     return _ACTIVE.get()
 
 
-def ragged_attention(module: torch.nn.Module, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+def packed_attention(module: torch.nn.Module, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """Per-session causal attention of a packed query row against each session's own cache.
 
     query: [1, heads, T, head_dim]. Returns [1, T, heads, head_dim]."""
@@ -152,45 +138,12 @@ def ragged_attention(module: torch.nn.Module, query: torch.Tensor, scaling: floa
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()  # [1, T, heads, d]
 
 
-def tree_positions(parents: list[int], past: int, device: torch.device) -> torch.Tensor:
-    """[n]: each tree token's absolute position, past + its depth."""
-    depth: list[int] = []
-    for parent in parents:
-        depth.append(depth[parent] + 1 if parent >= 0 else 0)
-    return torch.tensor(depth, dtype=torch.long, device=device) + past
-
-
-def supports_plain_trees(model: torch.nn.Module) -> str | None:
-    """None when `model`, served as it is (no packed forward), can run a tree block alone:
-    its attention takes a ready additive 4D mask (transformers' sdpa and eager do) and every
-    layer attends to the whole context; otherwise why not."""
-    config = getattr(model, "config", None)
-    implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in ("sdpa", "eager"):
-        return f"attention {implementation!r} does not take a custom mask"
-    return _full_attention_only(config)
-
-
-def _full_attention_only(config) -> str | None:
-    if getattr(config, "is_encoder_decoder", False):
-        return "encoder-decoder models are not supported"
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        return "the model has sliding-window or other non-full attention layers"
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) and window < getattr(config, "max_position_embeddings", 0):
-        return "the model uses a sliding window"
-    return None
-
-
-def supports_ragged(model: torch.nn.Module) -> str | None:
+def supports_packed(model: torch.nn.Module) -> str | None:
     """None when `model` can run packed batches; otherwise why not."""
-    from specdec.cpu_fast import CPU_ATTENTION
-
     config = getattr(model, "config", None)
-    if config is None or getattr(config, "_attn_implementation", None) != CPU_ATTENTION:
+    if config is None or getattr(config, "_attn_implementation", None) != SPECDEC_ATTENTION:
         return "the model is not served with specdec's attention function"
-    return _full_attention_only(config)
+    return full_attention_only(config)
 
 
 @torch.inference_mode()
@@ -199,7 +152,7 @@ def packed_forward(model: torch.nn.Module, caches: list, token_lists: list[list[
     """Runs every session's new tokens in one forward pass; returns per session the logits
     of its last keep[i] positions, [keep[i], V] float32. Each cache must hold exactly the
     session's past (its get_seq_length()). parents[i], when given, makes session i's block
-    a tree (RaggedBatch.parents); its tokens all enter the cache, in block order."""
+    a tree (PackedBatch.parents); its tokens all enter the cache, in block order."""
     device = next(model.parameters()).device
     lengths = [len(tokens) for tokens in token_lists]
     offsets = [sum(lengths[:i]) for i in range(len(lengths))]
@@ -207,20 +160,20 @@ def packed_forward(model: torch.nn.Module, caches: list, token_lists: list[list[
         for tokens, tree in zip(token_lists, parents):
             if tree is not None and len(tree) != len(tokens):
                 raise ValueError(f"a tree of {len(tree)} parents for {len(tokens)} tokens")
-    batch = RaggedBatch(caches=caches, offsets=offsets, lengths=lengths,
+    batch = PackedBatch(caches=caches, offsets=offsets, lengths=lengths,
                         past=[cache.get_seq_length() for cache in caches], parents=parents)
     batch.build_masks(device)
     input_ids = torch.tensor([[t for tokens in token_lists for t in tokens]], dtype=torch.long, device=device)
     # Rows whose logits are wanted: the last keep[i] of each session's block.
     rows = torch.tensor([o + n - k + j for o, n, k in zip(offsets, lengths, keep) for j in range(k)],
                         dtype=torch.long, device=device)
-    # A ready 4D mask makes transformers skip building one; ragged_attention masks per session.
+    # A ready 4D mask makes transformers skip building one; packed_attention masks per session.
     placeholder_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
     token = _ACTIVE.set(batch)
     try:
         out = model(input_ids=input_ids, use_cache=True, position_ids=batch.position_ids(device),
                     attention_mask=placeholder_mask, logits_to_keep=rows,
-                    **{cache_kwarg(model): RaggedCache(batch)})
+                    **{cache_kwarg(model): PackedCache(batch)})
     finally:
         _ACTIVE.reset(token)
     logits = out.logits[0].float()  # [Σ keep, V]

@@ -13,7 +13,7 @@ do not cover what must be fed asks for a resync from the first position it lacks
 
 Copying first: when the context's last `lookup_ngram` (or more, up to 3) tokens occurred
 before, the tokens that followed them are proposed instead of the head's chain (n-gram
-prompt lookup, draft_worker.drafters.ngram), and the chain is not run. A head trained on
+prompt lookup, specdec.ngram), and the chain is not run. A head trained on
 open-ended answers predicts copied spans (summaries, rewrites, extraction, code edits)
 worse than a lookup does, and the lookup costs nothing; Snowflake's Arctic Inference pairs
 suffix decoding with a model speculator the same way (a match wins, the model otherwise).
@@ -33,7 +33,7 @@ Alternatives (the head next to the target only): at each depth of the chain, the
 second choice is also proposed when its probability of being right (the chain's so far
 times that token's) is at least `min_alt_prob`. The target worker scores each such token
 as a leaf of a tree in the same verification pass (it branches off the chain at its depth,
-specdec.ragged's tree blocks): when the chain is rejected at a depth whose alternative is
+specdec.runtime.tree's blocks): when the chain is rejected at a depth whose alternative is
 the target's own choice there, the target's token after the alternative is committed too.
 The head's top-2 come from the softmax it computes anyway, so alternatives cost
 verification rows but no head steps; on held-out SmolLM2 chains they raise tokens per round
@@ -43,8 +43,9 @@ from __future__ import annotations
 
 import torch
 
-from draft_worker.drafters.ngram import DEFAULT_MAX_NGRAM, lookup
-from specdec.eagle import EagleHead, HeadCache
+from specdec.eagle.head import EagleHead
+from specdec.errors import InvalidArgument
+from specdec.ngram import DEFAULT_MAX_NGRAM, lookup
 from specdec.sessions import Resync, SyncedContext
 
 
@@ -55,8 +56,6 @@ class Features:
         self.start = start
         count = len(data) // (2 * size) if size else 0
         if count * 2 * size != len(data):
-            from specdec.errors import InvalidArgument
-
             raise InvalidArgument(f"features: {len(data)} bytes is not a whole number of float16 rows of {size}")
         self.rows = torch.frombuffer(bytearray(data), dtype=torch.float16).view(count, size) if count else \
             torch.zeros((0, size), dtype=torch.float16)
@@ -128,8 +127,7 @@ class EagleDrafter:
         head, session, context = self.head, synced.session, synced.context
         cache = session.cache
         if cache is None:
-            cache = session.cache = HeadCache(head.config.num_kv_heads, head.config.head_dim, head.fc.weight.dtype,
-                                              head.embed.device)
+            cache = session.cache = head.new_cache()
             cache.trusted = 0
             session.ids = []
         # Keep only entries of committed positions fed with true features (and never the

@@ -114,8 +114,8 @@ def extract_aux(work: Path, target, aux_layers: tuple[int, ...], deadline: float
     features agree with a teacher-forced pass to ~2e-4 relative (float rounding)."""
     import time
 
-    from specdec.cpu_fast import agrees, fast_cpu_model
-    from specdec.distill import _atomic_save
+    from specdec.runtime.cpu import agrees, fast_cpu_model
+    from specdec.train.distill import _atomic_save
 
     fast = fast_cpu_model(target)
     model = fast if fast is not target and agrees(target, fast) else target
@@ -227,7 +227,7 @@ def step_loss(head: eagle.EagleHead, batch: EagleBatch, unroll: int, hard_weight
     forward and backward), with the logits rounded to bf16 before the fp32 loss.
     feature_noise: the amplitude of noisy_features on the head's inputs (the regression
     targets stay clean); 0: none."""
-    from specdec.distill import topk_distill_loss
+    from specdec.train.distill import topk_distill_loss
 
     features_in = batch.features_in
     if feature_noise > 0:
@@ -267,8 +267,8 @@ def evaluate(head: eagle.EagleHead, examples: list[EagleExample], pad_id: int, i
     them (true features for committed positions, its own after), against the reference
     greedy answer: exact acceptance (a draft counts only if all before it were right, and
     then the chain's tokens are the reference's)."""
-    from specdec.bench.costs import alpha_from_acceptance_rate
-    from specdec.distill import simulate_chains
+    from specdec.speedup import alpha_from_acceptance_rate
+    from specdec.train.distill import simulate_chains
 
     was_training = head.training
     head.eval()
@@ -298,8 +298,8 @@ def evaluate(head: eagle.EagleHead, examples: list[EagleExample], pad_id: int, i
 def measure_cost_ratio(target, head: eagle.EagleHead, context: list[int]) -> dict:
     """c: one head step (1 position on a cache holding `context`, then its argmax) over one
     target step, each on its serving path."""
-    from specdec.bench.costs import measure_head, measure_target
-    from specdec.cpu_fast import serving_lm
+    from specdec.runtime.costs import measure_head, measure_target
+    from specdec.runtime.load import serving_lm
 
     target_s = measure_target(serving_lm(target), context, 1).target_step_s
     draft_s = measure_head(eagle.fast_cpu_head(head), context)  # as the workers serve it

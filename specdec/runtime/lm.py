@@ -8,24 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import contextmanager
-import inspect
 import logging
 from typing import Any
 
 import torch
 
+from specdec.runtime.compat import cache_kwarg
+from specdec.runtime.packed import packed_forward, supports_packed
+from specdec.runtime.tree import supports_plain_trees, tree_mask, tree_positions
 from specdec.sessions import Session, SyncedContext
 
 log = logging.getLogger(__name__)
-
-
-def cache_kwarg(model: torch.nn.Module) -> str:
-    """The keyword a model's forward takes its KV cache by: `cache` in recent transformers 5
-    releases, `past_key_values` before (both are 5.x, which pyproject allows). An unknown
-    keyword is swallowed by the forward's **kwargs and the cache silently not used — every
-    round then fails with "cache and ids out of step" — so ask the signature."""
-    parameters = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in parameters else "past_key_values"
 
 
 class CausalLM:
@@ -36,7 +29,7 @@ class CausalLM:
         self.config = model.config
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self._ragged: bool | None = None  # whether feed_batch packs sessions; None: not yet checked
+        self._packed: bool | None = None  # whether feed_batch packs sessions; None: not yet checked
         self._trees: bool | None = None  # whether feed takes tree blocks; None: not yet checked
         self._cache_kwarg = cache_kwarg(model)
 
@@ -135,15 +128,13 @@ class CausalLM:
              parents: list[int] | None = None) -> torch.Tensor:
         """Runs `tokens` through the model on top of the session's cache in ONE forward pass
         and returns the logits of the last `logits_to_keep` positions: [logits_to_keep, V].
-        With `parents` (specdec.ragged.RaggedBatch.parents; where runs_trees) the tokens are a
+        With `parents` (specdec.runtime.tree; where runs_trees) the tokens are a
         tree: each at its depth, attending to the cache, its ancestors and itself."""
         assert tokens, "feed needs at least one token"
         assert session.cache.get_seq_length() == len(session.ids), "cache and ids out of step"
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, n]
         tree = {}
         if parents is not None:
-            from specdec.ragged import tree_mask, tree_positions
-
             past = len(session.ids)
             visible = tree_mask(parents, past, self.device)  # [1, 1, n, past + n] bool
             # Additive, in the model's dtype: what transformers' sdpa and eager attention add.
@@ -164,22 +155,18 @@ class CausalLM:
     @property
     def batches_in_one_pass(self) -> bool:
         """Whether feed_batch runs many sessions in one forward pass (else one by one)."""
-        if self._ragged is None:
-            from specdec.ragged import supports_ragged
-
-            reason = supports_ragged(self.model)
-            self._ragged = reason is None
+        if self._packed is None:
+            reason = supports_packed(self.model)
+            self._packed = reason is None
             if reason is not None:
                 log.info("batched rounds run one session at a time: %s", reason)
-        return self._ragged
+        return self._packed
 
     @property
     def runs_trees(self) -> bool:
         """Whether feed and feed_batch take tree blocks (`parents`): in the packed forward,
         or one session at a time on a model whose attention takes a custom mask."""
         if self._trees is None:
-            from specdec.ragged import supports_plain_trees
-
             reason = None if self.batches_in_one_pass else supports_plain_trees(self.model)
             self._trees = reason is None
             if reason is not None:
@@ -191,16 +178,16 @@ class CausalLM:
                    features: bool = False, aux_layers: tuple[int, ...] = (),
                    parents: list[list[int] | None] | None = None):
         """feed() for many sessions at once: ONE forward pass over all their new tokens when
-        the model allows it (specdec.ragged), else one pass per session. Returns per session
+        the model allows it (specdec.runtime.packed), else one pass per session. Returns per session
         the logits of its last logits_to_keep[i] positions, [logits_to_keep[i], V]; with
         features=True, (those logits, per session the final hidden states of every fed
         position, [len(token_lists[i]), H], then the states after decoder layers aux_layers:
         [len(token_lists[i]), H·(1 + len(aux_layers))]). parents[i], when given, makes session
-        i's tokens a tree (specdec.ragged.RaggedBatch.parents; only where runs_trees): all of
+        i's tokens a tree (specdec.runtime.tree; only where runs_trees): all of
         them enter its cache, and the caller crops the ones not kept."""
         trees = parents is not None and any(p is not None for p in parents)
         if trees and not self.runs_trees:
-            raise ValueError("tree blocks need the packed forward (specdec.ragged) or an attention that takes a "
+            raise ValueError("tree blocks need the packed forward (specdec.runtime.packed) or an attention that takes a "
                              "custom mask, and this model has neither")
         if features:
             with self._capturing_features(tuple(aux_layers)) as captured:
@@ -211,8 +198,6 @@ class CausalLM:
         if (len(sessions) == 1 and not trees) or not self.batches_in_one_pass:
             trees_of = parents if trees else [None] * len(sessions)
             return [self.feed(s, t, k, p) for s, t, k, p in zip(sessions, token_lists, logits_to_keep, trees_of)]
-        from specdec.ragged import packed_forward
-
         for session, tokens in zip(sessions, token_lists):
             assert tokens, "feed needs at least one token"
             assert session.cache.get_seq_length() == len(session.ids), "cache and ids out of step"

@@ -43,14 +43,11 @@ from transformers.cache_utils import DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from specdec import ragged
-from specdec.lm import CausalLM
-from specdec.ragged import ragged_attention
+from specdec.runtime import packed
+from specdec.runtime.packed import SPECDEC_ATTENTION, packed_attention
 
 log = logging.getLogger(__name__)
 
-# The attention implementation name registered with transformers for the fast path.
-CPU_ATTENTION = "specdec_cpu_sdpa"
 # KV buffers grow to the next multiple of this many tokens, with headroom of GROWTH×.
 KV_BLOCK_TOKENS = 256
 KV_GROWTH = 1.5
@@ -113,8 +110,8 @@ def _clone_tree(module: torch.nn.Module, swap) -> torch.nn.Module:
 
 
 def _register_attention() -> None:
-    AttentionInterface.register(CPU_ATTENTION, gqa_sdpa_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(CPU_ATTENTION, sdpa_mask)
+    AttentionInterface.register(SPECDEC_ATTENTION, gqa_sdpa_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(SPECDEC_ATTENTION, sdpa_mask)
 
 
 def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -124,11 +121,11 @@ def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
 
     query: [batch, heads, q, head_dim]; key, value: [batch, kv_heads, kv, head_dim];
     attention_mask: bool [batch, 1, q, kv] or None. Returns [batch, q, heads, head_dim].
-    Inside a packed multi-session forward (specdec.ragged) each session attends to its own
+    Inside a packed multi-session forward (specdec.runtime.packed) each session attends to its own
     cache instead.
     """
-    if ragged.active() is not None:  # a packed multi-session forward (specdec.ragged)
-        return ragged_attention(module, query, scaling), None
+    if packed.active() is not None:  # a packed multi-session forward (specdec.runtime.packed)
+        return packed_attention(module, query, scaling), None
     q_length, kv_length = query.shape[2], key.shape[2]
     # Without a mask, SDPA's top-left causal alignment is right only when q == kv (a prefill);
     # a single query attends to everything. transformers drops the mask exactly then; any
@@ -147,7 +144,7 @@ def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
 
 def fast_cpu_model(model: torch.nn.Module, pack_linears: bool = True, gqa_attention: bool = True) -> torch.nn.Module:
     """The serving copy of a model: packed linears (CPU fp32 only) and specdec's attention
-    function (in-SDPA GQA, and packed multi-session batches: specdec.ragged), which also
+    function (in-SDPA GQA, and packed multi-session batches: specdec.runtime.packed), which also
     serves GPU models. Returns `model` itself, unchanged, when neither applies."""
     reason = can_pack(model)
     if reason is not None and pack_linears:
@@ -169,7 +166,7 @@ def fast_cpu_model(model: torch.nn.Module, pack_linears: bool = True, gqa_attent
     if gqa_attention and uses_sdpa:
         _register_attention()
         fast_config = copy.copy(config)
-        fast_config._attn_implementation_internal = CPU_ATTENTION
+        fast_config._attn_implementation_internal = SPECDEC_ATTENTION
         # Modules hold the config they were built with; the copies get the copy, so the
         # original model keeps its own attention implementation.
         for module in fast.modules():
@@ -178,18 +175,6 @@ def fast_cpu_model(model: torch.nn.Module, pack_linears: bool = True, gqa_attent
     log.info("CPU fast path: %d linear layers packed for oneDNN; attention %s", packed,
              getattr(getattr(fast, "config", None), "_attn_implementation", None))
     return fast
-
-
-def serving_lm(model: torch.nn.Module, enabled: bool = True) -> CausalLM:
-    """The CausalLM a worker serves `model` with: the fast path when enabled and the model
-    can take it, else the model as it is (and always on a GPU: the fast path is oneDNN's)."""
-    if enabled and next(model.parameters()).device.type == "cpu":
-        fast = fast_cpu_model(model)
-        if fast is not model:
-            if agrees(model, fast):
-                return CausalLM(fast, new_cache=new_cache)
-            log.warning("CPU fast path off for %s: its logits differ from the plain model's", type(model).__name__)
-    return CausalLM(model)
 
 
 @torch.inference_mode()

@@ -1,4 +1,4 @@
-"""The CPU fast path (specdec.cpu_fast): the same logits within float rounding and the same
+"""The CPU fast path (specdec.runtime.cpu): the same logits within float rounding and the same
 greedy tokens as the plain model, the plain model left untouched, and models it cannot pack
 served as they are.
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.cpu_fast import (
-    CPU_ATTENTION, KV_BLOCK_TOKENS, BufferedLayer, PackedLinear, agrees, fast_cpu_model, serving_lm,
-)
-from specdec.lm import CausalLM
+from specdec.runtime.cpu import KV_BLOCK_TOKENS, BufferedLayer, PackedLinear, agrees, fast_cpu_model
+from specdec.runtime.load import serving_lm
+from specdec.runtime.packed import SPECDEC_ATTENTION
+from specdec.runtime.lm import CausalLM
 from specdec.sessions import Session
 from tests.factories import make_tiny_model, make_tiny_tokenizer
 from tests.harness import reference_greedy
@@ -64,7 +64,7 @@ def test_fast_model_packs_every_linear_and_switches_attention(plain):
     fast = fast_cpu_model(plain)
     assert not any(type(m) is torch.nn.Linear for m in fast.modules())
     assert sum(isinstance(m, PackedLinear) for m in fast.modules()) == 2 * 7 + 1  # q k v o gate up down, lm_head
-    assert fast.config._attn_implementation == CPU_ATTENTION
+    assert fast.config._attn_implementation == SPECDEC_ATTENTION
 
 
 def test_plain_model_is_left_untouched(plain, tokenizer):
@@ -124,13 +124,14 @@ def test_hf_generate_on_fast_model_equals_plain(plain, tokenizer):
 
 def test_unpackable_dtype_keeps_its_linears_but_gets_the_batching_attention(tokenizer):
     # bf16 (as on a GPU) cannot take oneDNN's fp32 packing; the attention function that
-    # runs packed multi-session batches (specdec.ragged) still applies.
-    from specdec.cpu_fast import CPU_ATTENTION, PackedLinear
+    # runs packed multi-session batches (specdec.runtime.packed) still applies.
+    from specdec.runtime.cpu import PackedLinear
+    from specdec.runtime.packed import SPECDEC_ATTENTION
 
     model = make_tiny_model(tokenizer).to(torch.bfloat16)
     fast = fast_cpu_model(model)
     assert fast is not model and not any(isinstance(m, PackedLinear) for m in fast.modules())
-    assert fast.config._attn_implementation == CPU_ATTENTION and model.config._attn_implementation == "sdpa"
+    assert fast.config._attn_implementation == SPECDEC_ATTENTION and model.config._attn_implementation == "sdpa"
     lm = serving_lm(model)
     assert lm.model is not model and lm.batches_in_one_pass
     ids = prompt_ids(tokenizer, 30, seed=5)

@@ -6,6 +6,8 @@ Prometheus endpoints (no other access needed).
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import sys
 import time
 import urllib.request
@@ -68,7 +70,7 @@ def render(now: dict, before: dict | None, seconds: float) -> str:
     return "\n".join(lines)
 
 
-def run(urls: list[str], interval: float, once: bool) -> int:
+def watch(urls: list[str], interval: float, once: bool) -> int:
     before, before_at = None, 0.0
     while True:
         merged: dict = defaultdict(float)
@@ -87,3 +89,15 @@ def run(urls: list[str], interval: float, once: bool) -> int:
         sys.stdout.flush()
         before, before_at = merged, now_at
         time.sleep(interval)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--metrics", action="append", default=[],
+                     help="a /metrics URL (repeatable; default http://127.0.0.1:9090/metrics)")
+    parser.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    parser.add_argument("--once", action="store_true", help="print one view and exit")
+
+
+
+async def run(args) -> int:
+    return await asyncio.to_thread(watch, args.metrics or ["http://127.0.0.1:9090/metrics"], args.interval, args.once)

@@ -1,0 +1,105 @@
+"""The flags every service shares, read with the environment into the typed configs
+(specdec.config): the one place that reads SPECDEC_* variables for serving."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from specdec.config import CoordinatorConfig, ServerConfig, WorkerConfig
+from specdec.security.tls import ServerTLS
+
+DEFAULT_TARGET = "smollm2-135m"
+DEFAULT_DRAFT = "ngram"
+NO_DRAFT = "none"
+
+
+def env(name: str, default):
+    return os.environ.get(name, default)
+
+
+def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
+    parser.add_argument("--host", default=env("SPECDEC_HOST", "127.0.0.1"),
+                        help="interface to bind (0.0.0.0 in a pod) [SPECDEC_HOST]")
+    parser.add_argument("--port", type=int, default=int(env("SPECDEC_PORT", default_port)),
+                        help="gRPC port; 0 picks a free one [SPECDEC_PORT]")
+    parser.add_argument("--metrics-port", type=int, default=env("SPECDEC_METRICS_PORT", None),
+                        help="serve Prometheus /metrics on this port [SPECDEC_METRICS_PORT]")
+    parser.add_argument("--grace-period", type=float, default=float(env("SPECDEC_GRACE_PERIOD", 20.0)),
+                        help="seconds in-flight calls get to finish after SIGTERM [SPECDEC_GRACE_PERIOD]")
+    parser.add_argument("--tls-cert", default=env("SPECDEC_TLS_CERT", None),
+                        help="serve TLS with this certificate (PEM) [SPECDEC_TLS_CERT]")
+    parser.add_argument("--tls-key", default=env("SPECDEC_TLS_KEY", None),
+                        help="private key of --tls-cert (PEM) [SPECDEC_TLS_KEY]")
+    parser.add_argument("--tls-client-ca", default=env("SPECDEC_TLS_CLIENT_CA", None),
+                        help="demand client certificates signed by this CA: mutual TLS [SPECDEC_TLS_CLIENT_CA]")
+    parser.add_argument("--insecure", action="store_true", default=env("SPECDEC_INSECURE", "") == "1",
+                        help="allow plaintext gRPC off loopback (logged as a warning) [SPECDEC_INSECURE=1]")
+    parser.add_argument("--log-format", choices=["json", "text"], default=env("SPECDEC_LOG_FORMAT", None),
+                        help="log lines as JSON objects (default for serve) or text [SPECDEC_LOG_FORMAT]")
+
+
+def add_worker_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-sessions", type=int, default=256, help="sessions cached at once (LRU beyond)")
+    parser.add_argument("--max-cache-mb", type=int, default=2048, help="KV-cache budget in MiB (LRU beyond)")
+    parser.add_argument("--device", default=env("SPECDEC_DEVICE", "cpu"), help="torch device [SPECDEC_DEVICE]")
+    parser.add_argument("--min-chain-prob", type=float, default=float(env("SPECDEC_MIN_CHAIN_PROB", 0.15)),
+                        help="a feature-level head's chain stops where its own probability of the whole chain "
+                             "falls below this; 0: always draft k (default %(default)s) [SPECDEC_MIN_CHAIN_PROB]")
+    parser.add_argument("--min-alt-prob", type=float, default=float(env("SPECDEC_MIN_ALT_PROB", 0.05)),
+                        help="a head on the target worker also proposes its second choice at a chain depth where "
+                             "its probability of being right is at least this, verified as a tree leaf in the same "
+                             "pass; 1: never (default %(default)s) [SPECDEC_MIN_ALT_PROB]")
+
+
+def server_config(args) -> ServerConfig:
+    metrics_port = None if args.metrics_port in (None, "") else int(args.metrics_port)
+    paths = [None if p is None else Path(p) for p in (args.tls_cert, args.tls_key, args.tls_client_ca)]
+    return ServerConfig(host=args.host, port=args.port, grace_period_s=args.grace_period, metrics_port=metrics_port,
+                        tls=ServerTLS(*paths), insecure=args.insecure)
+
+
+def add_coordinator_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--auth-token-file", default=env("SPECDEC_AUTH_TOKEN_FILE", None),
+                        help="require a bearer token from this file (one per line; re-read when it changes) "
+                             "[SPECDEC_AUTH_TOKEN_FILE; tokens may also come from SPECDEC_AUTH_TOKENS]")
+    parser.add_argument("--max-concurrent-requests", type=int, default=256,
+                        help="streams served at once; beyond: RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-streams-per-client", type=int, default=16,
+                        help="streams one client (token, else address) may hold at once")
+    parser.add_argument("--max-prompt-tokens", type=int, default=32768, help="longest prompt accepted")
+    parser.add_argument("--rate-limit", type=float, default=0.0,
+                        help="requests per second one client may start; 0: no limit")
+    parser.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens accepted")
+    parser.add_argument("--no-batching", action="store_true",
+                        help="one worker call per round instead of batched steps (continuous batching off)")
+    parser.add_argument("--step-token-budget", type=int, default=512,
+                        help="tokens (uncached committed + drafts) one batched step carries, about")
+    parser.add_argument("--max-batch-rounds", type=int, default=32, help="most requests' rounds in one step")
+    parser.add_argument("--prefill-chunk", type=int, default=256,
+                        help="longest piece of a prompt one step prefills (bounds others' latency)")
+
+
+def coordinator_config(args, target_addr: str, draft_addr: str | None, tokenizer: str, worker_tls=None):
+    return CoordinatorConfig(
+        target_addr=target_addr, draft_addr=draft_addr, tokenizer=tokenizer, server=server_config(args),
+        default_k=args.k, worker_tls=worker_tls,
+        auth_token_file=Path(args.auth_token_file) if args.auth_token_file else None,
+        auth_tokens_env=os.environ.get("SPECDEC_AUTH_TOKENS", ""),
+        max_concurrent_requests=args.max_concurrent_requests, max_streams_per_client=args.max_streams_per_client,
+        max_prompt_tokens=args.max_prompt_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
+        rate_limit_per_client=args.rate_limit, batching=not args.no_batching,
+        step_token_budget=args.step_token_budget, max_batch_rounds=args.max_batch_rounds,
+        prefill_chunk_tokens=args.prefill_chunk,
+    )
+
+
+def worker_config(args, model: str, port: int | None = None) -> WorkerConfig:
+    server = server_config(args)
+    if port is not None:
+        server.port = port
+    return WorkerConfig(model=model, server=server, max_sessions=args.max_sessions,
+                        max_cache_bytes=args.max_cache_mb << 20, device=args.device,
+                        min_chain_prob=args.min_chain_prob, min_alt_prob=args.min_alt_prob,
+                        head=getattr(args, "head", None))
