@@ -17,7 +17,7 @@
    is at least the threshold costs a row, and where the chain is cut at that depth and it is
    the reference's token it adds that token and the target's next one.
 
-    python benchmarks/head_step.py [--head drafts/smollm2-135m-eagle3] [--work DIR] [--threads 2] [--json out.json]
+    python benchmarks/head_step.py [--head smollm2-135m-eagle3] [--work DIR] [--threads 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -60,12 +60,12 @@ def chains(head, examples, index_of, k: int) -> list[tuple[int, int, list, list,
     chains drafted after each committed position c: step s+1's top-1 probability and whether
     its token is the reference's (teacher-forced features, as served), and the same for its
     second choice."""
-    from specdec.train.distill_eagle import collate
+    from specdec.train.examples import collate_eagle
 
     out = []
     for start in range(0, len(examples), 16):
         chunk = examples[start:start + 16]
-        batch = collate(chunk, 0, index_of, head.config.hidden_size)
+        batch = collate_eagle(chunk, 0, index_of, head.config.hidden_size)
         steps = [torch.softmax(head.logits(o.float()), -1).topk(2, -1) for o in head.unrolled(batch.tokens,
                                                                                                batch.features_in, k)]
         for b, e in enumerate(chunk):
@@ -112,7 +112,7 @@ def simulate(records, k: int, threshold: float, c: float, alt_threshold: float |
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--head", default="drafts/smollm2-135m-eagle3")
+    parser.add_argument("--head", default="smollm2-135m-eagle3")
     parser.add_argument("--work", default=None, help="distill work directory with held-out data "
                                                      "(default: HEAD.work when it exists)")
     parser.add_argument("--threads", type=int, default=2)
@@ -142,9 +142,9 @@ def main(argv=None) -> int:
 
     work = Path(args.work) if args.work else Path(str(local_path(args.head)) + ".work")
     if (work / "data").is_dir():
-        from specdec.train.distill_eagle import load_examples
+        from specdec.train.examples import load_eagle_examples
 
-        examples = load_examples(work, "heldout", tuple(plain.config.aux_layers))
+        examples = load_eagle_examples(work, "heldout", tuple(plain.config.aux_layers))
         index_of = torch.full((int(plain.embed.shape[0]),), -1, dtype=torch.long)
         index_of[plain.draft_vocab] = torch.arange(len(plain.draft_vocab))
         reference = chains(plain, examples, index_of, CHAIN_K)

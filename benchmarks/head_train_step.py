@@ -47,19 +47,21 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     from specdec import eagle
-    from specdec.train import distill, distill_eagle
+    from specdec.train.evaluate import EVAL_K, evaluate_eagle
+    from specdec.train.examples import choose_vocab, collate_eagle, load_eagle_examples
+    from specdec.train.loop import learning_rate, new_optimizer
+    from specdec.train.losses import eagle_step_loss
     from specdec.train.prompts import HELDOUT, TRAIN
     from specdec.models import eos_token_ids, load_model
 
     aux = tuple(int(x) for x in args.aux_layers.split(",") if x)
     target, tokenizer = load_model(args.target)
-    train = distill_eagle.load_examples(args.work, TRAIN, aux)
-    heldout = distill_eagle.load_examples(args.work, HELDOUT, aux)
+    train = load_eagle_examples(args.work, TRAIN, aux)
+    heldout = load_eagle_examples(args.work, HELDOUT, aux)
     if not train or not heldout:
         sys.exit(f"{args.work}: no training or no held-out data")
     vocab_size = int(target.get_output_embeddings().weight.shape[0])
-    draft_vocab = distill_eagle.choose_vocab(train, min(args.draft_vocab, vocab_size),
-                                             eos_token_ids(target, tokenizer), vocab_size)
+    draft_vocab = choose_vocab(train, min(args.draft_vocab, vocab_size), eos_token_ids(target, tokenizer), vocab_size)
     index_of = torch.full((vocab_size,), -1, dtype=torch.long)
     index_of[draft_vocab] = torch.arange(len(draft_vocab))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -68,7 +70,7 @@ def main() -> int:
     first = eagle.build(eagle.new_config(target, args.target, len(draft_vocab), aux_layers=aux), target, draft_vocab)
     heads = {name: copy.deepcopy(first) for name in VARIANTS}
     schedule = SimpleNamespace(lr=args.lr, warmup_steps=args.warmup_steps, weight_decay=0.01)
-    optimizers = {name: distill._optimizer(head, schedule) for name, head in heads.items()}
+    optimizers = {name: new_optimizer(head, schedule) for name, head in heads.items()}
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     losses: dict[str, list[float]] = {name: [] for name in VARIANTS}
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(0)).tolist()
@@ -76,16 +78,16 @@ def main() -> int:
     for step in range(args.steps):
         if cursor + args.batch_size > len(order):
             cursor = 0
-        batch = distill_eagle.collate([train[i] for i in order[cursor:cursor + args.batch_size]], pad_id, index_of,
-                                      first.config.hidden_size)
+        batch = collate_eagle([train[i] for i in order[cursor:cursor + args.batch_size]], pad_id, index_of,
+                              first.config.hidden_size)
         cursor += args.batch_size
-        lr = distill._lr(schedule, step, step / args.steps)
+        lr = learning_rate(schedule, step, step / args.steps)
         for name, bf16_logits in VARIANTS.items():
             head, optimizer = heads[name], optimizers[name]
             for group in optimizer.param_groups:
                 group["lr"] = lr
             began = time.perf_counter()
-            loss, _ = distill_eagle.step_loss(head, batch, args.unroll, 0.5, 1.0, True, bf16_logits)
+            loss, _ = eagle_step_loss(head, batch, args.unroll, 0.5, 1.0, True, bf16_logits)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -101,7 +103,7 @@ def main() -> int:
               "threads": args.threads, "torch": torch.__version__, "train_sequences": len(train),
               "heldout_sequences": len(heldout), "variants": {}}
     for name in VARIANTS:
-        metrics = distill_eagle.evaluate(heads[name], heldout, pad_id, index_of, distill.EVAL_K)
+        metrics = evaluate_eagle(heads[name], heldout, pad_id, index_of, EVAL_K)
         report["variants"][name] = {"median_step_s": statistics.median(times[name]),
                                     "mean_step_s": statistics.fmean(times[name]),
                                     "loss_last_25": statistics.fmean(losses[name][-25:]), **metrics}

@@ -52,7 +52,7 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from specdec.train.distill import _teacher_for_generation, teacher_generate
+    from specdec.train.teacher import teacher_for_generation, teacher_generate
     from specdec.models import eos_token_ids, load_model
 
     target, tokenizer = load_model(args.target)
@@ -83,7 +83,7 @@ def main() -> int:
             kls += (f.exp() * (f - h)).sum(-1).tolist()
             positions += len(a)
 
-    fast, cache_factory = _teacher_for_generation(target)
+    fast, cache_factory = teacher_for_generation(target)
     eos = eos_token_ids(target, tokenizer)
     gen_prompts = [p for p, _ in pairs][:args.gen_prompts]
     rates: dict[str, list[float]] = {"fp32 (data phase)": [], "bf16": []}

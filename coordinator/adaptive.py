@@ -42,9 +42,9 @@ import numpy as np
 
 from specdec.speedup import expected_tokens
 
-# Costs in target steps, measured on the CPU fast path (SmolLM2-135M, 2 cores, 60–230-token
-# contexts, `specdec bench`): a Propose round trip ~5% of a step; a 5-token verification
-# 1.13–1.23 steps, i.e. ~4.5% per draft token.
+# One-request costs in target steps, from `specdec bench` on the CPU fast path (figures in
+# benchmarks/results/NOTES.md): a Propose round trip, and each draft token a verification
+# carries. Under load the measured estimates below replace them.
 PROPOSE_COST = 0.05
 DRAFT_TOKEN_COST = 0.045
 # Every request starts believing in its drafter enough to draft k_max: PRIOR_TRIALS tokens at
@@ -192,10 +192,9 @@ class StepCostModel:
     """What a draft token costs on one target replica, from the times of its batched decode
     steps: t = t₀ + t_round·rounds + t_draft·draft rows, fitted by decayed least squares
     (the draft slope shrunk towards the one-request prior). Measured rather than assumed
-    because step time is far from linear in rows: on SmolLM2, 2 cores, a step of 8 rounds
-    takes 48 ms, 16 rounds 51 ms, 16 rounds with 4 drafting 5 rows each 74 ms, 32 rounds 87 ms
-    — flat while a step reads weights, steep once it computes, with a cost per session
-    (its attention, its cache) on top. With B rounds in the usual (median) step,
+    because step time is far from linear in rows: flat while a step reads weights, steep once
+    it computes, with a cost per session (its attention, its cache) on top (step timings in
+    benchmarks/results/NOTES.md). With B rounds in the usual (median) step,
     `draft_token_cost()` = B·t_draft / t(usual) in units of a step: every request in the step
     waits t_draft longer for each draft token; never below DRAFT_TOKEN_COST."""
 
@@ -248,8 +247,8 @@ class StepCostModel:
         """What asking the drafter costs, in steps. A drafting request reaches the next
         target step a Propose round later, and the step waits for it (coordinator.scheduler
         gathers), so every request in the step waits too — shared among the requests that
-        draft in it. At one request that is an n-gram Propose's few per cent of a step; at
-        16 requests of which one drafts it is 16 times that."""
+        draft in it. At one request that is the Propose round's own share of a step; at B
+        requests of which one drafts it is B times that."""
         if propose.count < MIN_ROUNDS_TIMED or self.step_s <= 0:
             return PROPOSE_COST
         waiting = self.rounds / max(1.0, self.drafting * self.rounds)

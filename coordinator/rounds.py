@@ -2,7 +2,9 @@
 
 Per round: the draft worker proposes up to k tokens, the target worker verifies them in one
 forward pass and returns how many it accepts plus its own next token, and the coordinator
-commits draft[:accepted] + [next] — the committed sequence lives here and nowhere else.
+commits draft[:accepted] + [next] — the committed sequence lives here and nowhere else. The
+acceptance rule is the target's (stated in target_worker/kernels/rejection_sample.py); this
+loop only chooses k, asks, commits and streams.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from coordinator.adaptive import DrafterRecord
+from coordinator.adaptive import AdaptiveK, DrafterRecord
 from coordinator.detokenizer import IncrementalDetokenizer, StopMatcher
 from coordinator.workers import DraftClient, FeatureLog, TargetClient, WorkerSession
 from specdec import metrics
 from specdec.errors import Unavailable
 from specdec.sampling import GREEDY, Sampling
-from specdec.v1 import coordinator_pb2
+from specdec.v1 import common_pb2, coordinator_pb2, target_pb2
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,45 @@ class Stats:
         )
 
 
+@dataclass
+class Generation:
+    """One request between its rounds. The committed sequence lives here and nowhere else."""
+
+    plan: GenerationPlan
+    target: WorkerSession
+    draft: WorkerSession
+    # Rounds may ask the draft worker. A head on the target worker drafts each next round in
+    # the verification step (target_worker.head): no Propose, no features on the wire; rounds
+    # on a target replica without a head (a fleet mid-rollout) ask the draft worker instead.
+    use_draft: bool
+    sampling: common_pb2.SamplingParams | None  # None: greedy
+    adaptive: AdaptiveK
+    # A drafter that reads the target's features (specdec.eagle) gets them from the verdicts;
+    # it can draft once the target has seen the context (from round 2).
+    features: FeatureLog | None
+    committed: list[int]
+    detok: IncrementalDetokenizer
+    stopper: StopMatcher
+    stats: Stats = field(default_factory=Stats)
+    finish: int = FinishReason.FINISH_REASON_UNSPECIFIED
+    ahead: list[int] = field(default_factory=list)  # with a head on the target: its draft for this round
+    ahead_asked: tuple[int, bool] = (0, False)  # the adaptive controller's (k, probing) that draft answered
+
+    @property
+    def done(self) -> bool:
+        return self.finish != FinishReason.FINISH_REASON_UNSPECIFIED
+
+    @property
+    def sessions(self) -> list[WorkerSession]:
+        return [self.target, self.draft]
+
+    @property
+    def draft_room(self) -> int:
+        """Most draft tokens this round: never past what may be generated or what fits the
+        context, as the target adds one token of its own per round (may be negative)."""
+        return min(self.plan.max_new_tokens - self.stats.generated, self.plan.max_context - len(self.committed)) - 1
+
+
 class RoundRunner:
     def __init__(self, target: TargetClient, draft: DraftClient | None, tokenizer, target_vocab_size: int):
         self.target = target
@@ -92,97 +133,99 @@ class RoundRunner:
 
     async def run(self, plan: GenerationPlan) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
         """Yields one response per round with new tokens; the last carries finish and stats."""
-        base = uuid.uuid4().hex
-        target_session = WorkerSession(f"{base}/target", request_id=plan.request_id, deadline=plan.deadline)
-        draft_session = WorkerSession(f"{base}/draft", request_id=plan.request_id, deadline=plan.deadline)
-        sessions = [target_session, draft_session]
-        stats = Stats()
-        committed = list(plan.prompt_ids)
-        detok = IncrementalDetokenizer(self.tokenizer, plan.prompt_ids)
-        stopper = StopMatcher(plan.stop)
-        finish = FinishReason.FINISH_REASON_UNSPECIFIED
-        # A head on the target worker drafts each next round in the verification step
-        # (target_worker.head): no Propose, no features on the wire. Rounds on a target
-        # replica without a head (a fleet mid-rollout) ask the draft worker instead.
-        use_draft = plan.speculate and self.draft is not None
-        sampling = None if plan.sampling.greedy else plan.sampling.to_proto()
-        adaptive = self.drafter_record.start(plan.k)
-        # A drafter that reads the target's features (specdec.eagle) gets them from the
-        # verdicts; it can draft once the target has seen the context (from round 2).
-        features = FeatureLog(self.draft.feature_size) if use_draft and self.draft.feature_size else None
-        ahead: list[int] = []  # with a head on the target: its draft for this round, from the last verdict
-        ahead_asked = (0, False)  # the adaptive controller's (k, probing) it answered
+        gen = self._start(plan)
         try:
-            while finish == FinishReason.FINISH_REASON_UNSPECIFIED:
-                remaining = plan.max_new_tokens - stats.generated
-                room = plan.max_context - len(committed)
-                # Never draft past what may be generated or what fits the context: the
-                # target adds one token of its own per round.
-                # Under load a draft token delays every request in the step: its price comes
-                # from the target's measured step costs (coordinator.adaptive.StepCostModel).
-                # Asking the drafter costs its measured round time (coordinator.adaptive).
-                draft_next = 0
-                if plan.speculate and self.target.runs_head(target_session):
-                    # This round verifies what the head drafted last round; the head drafts
-                    # the next one in this round's step (its cost is in the step's time).
-                    drafts = self._valid(ahead[:max(0, min(remaining - 1, room - 1))])
-                    asked = ahead_asked
-                    draft_next = adaptive.next_k(self.target.draft_token_cost(target_session))
-                    ahead_asked = (adaptive.asked, adaptive.probing)
-                else:
-                    k = (min(adaptive.next_k(self.target.draft_token_cost(target_session),
-                                             self.target.propose_cost(target_session, self.draft.round_times)),
-                             remaining - 1, room - 1)
-                         if use_draft else 0)
-                    if features is not None and features.count < len(committed) - 1:
-                        k = 0
-                    drafts = await self._propose(draft_session, committed, k, stats, features) if k > 0 else []
-                    asked, ahead_asked = None, (0, False)
-                verdict = await self.target.verify(target_session, committed, drafts, sampling, features, draft_next)
-                ahead = list(verdict.next_drafts)
-                stats.rounds += 1
-                adaptive.update(len(drafts), verdict.accepted, asked)
-                self.drafter_record.update(len(drafts), verdict.accepted)
-                stats.proposed += len(drafts)
-                stats.accepted += verdict.accepted
-                stats.rejected_blocks += verdict.accepted < len(drafts)
-                extra = list(verdict.extra_tokens)
-                new, finish = self._commit(drafts[:verdict.accepted] + [verdict.next_token] + extra, plan, stats,
-                                           room)
-                if extra:  # the committed alternative (next_token) and the target's token after it
-                    stats.alternative_tokens += max(0, len(new) - verdict.accepted)
-                    metrics.ALTERNATIVE_TOKENS.inc(max(0, len(new) - verdict.accepted))
-                metrics.ROUNDS.inc()
-                metrics.PROPOSED.inc(len(drafts))
-                metrics.ACCEPTED.inc(verdict.accepted)
-                metrics.ACCEPTED_LENGTH.observe(verdict.accepted + 1)
-                metrics.observe_round(len(drafts), verdict.accepted)
-                metrics.GENERATED_TOKENS.inc(len(new))
-                if stats.rounds == 1:
-                    metrics.TTFT.observe(stats.first_token_at - stats.started)
-                committed.extend(new)
-                text = ""
-                for token in new:
-                    text += stopper.feed(detok.push(token))
-                    if stopper.stopped:
-                        finish = FinishReason.FINISH_REASON_STOP
-                        break
-                if finish != FinishReason.FINISH_REASON_UNSPECIFIED and not stopper.stopped:
-                    text += stopper.feed(detok.flush()) + stopper.finish()
-                    if stopper.stopped:
-                        finish = FinishReason.FINISH_REASON_STOP
-                response = coordinator_pb2.GenerateResponse(text=text, token_ids=new)
-                if finish != FinishReason.FINISH_REASON_UNSPECIFIED:
-                    response.finish_reason = finish
-                    response.stats.CopyFrom(stats.to_proto(len(plan.prompt_ids), sessions))
-                    response.stats.seed = plan.sampling.seed
-                yield response
+            while not gen.done:
+                drafts, asked, draft_next = await self._draft(gen)
+                verdict = await self._verify(gen, drafts, draft_next)
+                self._record(gen, drafts, verdict, asked)
+                new = self._commit(gen, drafts, verdict)
+                self._observe(gen, drafts, verdict, new)
+                text = self._stream(gen, new)
+                yield self._response(gen, new, text)
         finally:
-            self.target.finished(target_session)  # no step waits for its next round
-            self._release_later(target_session, draft_session if use_draft else None)
+            self.target.finished(gen.target)  # no step waits for its next round
+            self._release_later(gen.target, gen.draft if gen.use_draft else None)
+
+    def _start(self, plan: GenerationPlan) -> Generation:
+        base = uuid.uuid4().hex
+        use_draft = plan.speculate and self.draft is not None
+        return Generation(
+            plan=plan,
+            target=WorkerSession(f"{base}/target", request_id=plan.request_id, deadline=plan.deadline),
+            draft=WorkerSession(f"{base}/draft", request_id=plan.request_id, deadline=plan.deadline),
+            use_draft=use_draft,
+            sampling=None if plan.sampling.greedy else plan.sampling.to_proto(),
+            adaptive=self.drafter_record.start(plan.k),
+            features=FeatureLog(self.draft.feature_size) if use_draft and self.draft.feature_size else None,
+            committed=list(plan.prompt_ids),
+            detok=IncrementalDetokenizer(self.tokenizer, plan.prompt_ids),
+            stopper=StopMatcher(plan.stop),
+        )
+
+    async def _draft(self, gen: Generation) -> tuple[list[int], tuple[int, bool] | None, int]:
+        """This round's draft tokens; the adaptive controller's (k, probing) they answer when
+        that was asked a round earlier (None: asked now); how many the head on the target
+        should draft for the next round."""
+        if gen.plan.speculate and self.target.runs_head(gen.target):
+            return self._head_draft(gen)
+        gen.ahead_asked = (0, False)
+        k = self._choose_k(gen)
+        drafts = await self._propose(gen.draft, gen.committed, k, gen.stats, gen.features) if k > 0 else []
+        return drafts, None, 0
+
+    def _head_draft(self, gen: Generation) -> tuple[list[int], tuple[int, bool], int]:
+        """This round verifies what the head drafted last round; the head drafts the next one
+        in this round's step (its cost is in the step's time)."""
+        drafts = self._valid(gen.ahead[:max(0, gen.draft_room)])
+        asked = gen.ahead_asked
+        draft_next = gen.adaptive.next_k(self.target.draft_token_cost(gen.target))
+        gen.ahead_asked = (gen.adaptive.asked, gen.adaptive.probing)
+        return drafts, asked, draft_next
+
+    def _choose_k(self, gen: Generation) -> int:
+        """Draft tokens to ask the draft worker for (coordinator.adaptive). Under load a draft
+        token delays every request in the step: its price comes from the target's measured
+        step costs; asking the drafter costs its measured round time."""
+        if not gen.use_draft:
+            return 0
+        k = min(gen.adaptive.next_k(self.target.draft_token_cost(gen.target),
+                                    self.target.propose_cost(gen.target, self.draft.round_times)),
+                gen.draft_room)
+        if gen.features is not None and gen.features.count < len(gen.committed) - 1:
+            return 0  # the drafter lacks the features of the context so far
+        return k
+
+    async def _verify(self, gen: Generation, drafts: list[int], draft_next: int) -> target_pb2.Verdict:
+        verdict = await self.target.verify(gen.target, gen.committed, drafts, gen.sampling, gen.features, draft_next)
+        gen.ahead = list(verdict.next_drafts)
+        return verdict
+
+    def _record(self, gen: Generation, drafts: list[int], verdict: target_pb2.Verdict,
+                asked: tuple[int, bool] | None) -> None:
+        """The round's outcome, for the request's stats and both drafting records."""
+        gen.stats.rounds += 1
+        gen.adaptive.update(len(drafts), verdict.accepted, asked)
+        self.drafter_record.update(len(drafts), verdict.accepted)
+        gen.stats.proposed += len(drafts)
+        gen.stats.accepted += verdict.accepted
+        gen.stats.rejected_blocks += verdict.accepted < len(drafts)
+
+    def _commit(self, gen: Generation, drafts: list[int], verdict: target_pb2.Verdict) -> list[int]:
+        """Commits what the target decided (its acceptance rule: target_worker/kernels/
+        rejection_sample.py): drafts[:accepted], its next token, and with a committed
+        alternative (the next token) the target's token after it; returns what was committed."""
+        room = gen.plan.max_context - len(gen.committed)
+        extra = list(verdict.extra_tokens)
+        new, gen.finish = self._cut(drafts[:verdict.accepted] + [verdict.next_token] + extra, gen.plan, gen.stats,
+                                    room)
+        if extra:
+            gen.stats.alternative_tokens += max(0, len(new) - verdict.accepted)
+        gen.committed.extend(new)
+        return new
 
     @staticmethod
-    def _commit(tokens: list[int], plan: GenerationPlan, stats: Stats, room: int):
+    def _cut(tokens: list[int], plan: GenerationPlan, stats: Stats, room: int):
         """Tokens of this round that are actually generated: cut after EOS, at
         max_new_tokens and at the end of the context."""
         if stats.first_token_at is None:
@@ -200,10 +243,49 @@ class RoundRunner:
         stats.generated += len(out)
         return out, finish
 
+    @staticmethod
+    def _observe(gen: Generation, drafts: list[int], verdict: target_pb2.Verdict, new: list[int]) -> None:
+        """The round in the coordinator's metrics."""
+        if verdict.extra_tokens:
+            metrics.ALTERNATIVE_TOKENS.inc(max(0, len(new) - verdict.accepted))
+        metrics.ROUNDS.inc()
+        metrics.PROPOSED.inc(len(drafts))
+        metrics.ACCEPTED.inc(verdict.accepted)
+        metrics.ACCEPTED_LENGTH.observe(verdict.accepted + 1)
+        metrics.observe_round(len(drafts), verdict.accepted)
+        metrics.GENERATED_TOKENS.inc(len(new))
+        if gen.stats.rounds == 1:
+            metrics.TTFT.observe(gen.stats.first_token_at - gen.stats.started)
+
+    @staticmethod
+    def _stream(gen: Generation, new: list[int]) -> str:
+        """The new tokens' text, ending at a stop string (which then finishes the request);
+        when the request ends otherwise, also what the detokenizer and stop matcher held back."""
+        text = ""
+        for token in new:
+            text += gen.stopper.feed(gen.detok.push(token))
+            if gen.stopper.stopped:
+                gen.finish = FinishReason.FINISH_REASON_STOP
+                return text
+        if gen.done:
+            text += gen.stopper.feed(gen.detok.flush()) + gen.stopper.finish()
+            if gen.stopper.stopped:
+                gen.finish = FinishReason.FINISH_REASON_STOP
+        return text
+
+    @staticmethod
+    def _response(gen: Generation, new: list[int], text: str) -> coordinator_pb2.GenerateResponse:
+        response = coordinator_pb2.GenerateResponse(text=text, token_ids=new)
+        if gen.done:
+            response.finish_reason = gen.finish
+            response.stats.CopyFrom(gen.stats.to_proto(len(gen.plan.prompt_ids), gen.sessions))
+            response.stats.seed = gen.plan.sampling.seed
+        return response
+
     async def _propose(self, session: WorkerSession, committed: list[int], k: int, stats: Stats,
                        features: FeatureLog | None = None) -> list[int]:
         """Draft tokens, or none when the draft worker is down: the target alone still
-        gives the exact output, only slower (DESIGN.md principle 4)."""
+        gives the exact output, only slower (drafts are suggestions; the target decides)."""
         try:
             block = await self.draft.propose(session, committed, k, features)
         except (Unavailable, grpc.aio.AioRpcError) as exc:

@@ -18,15 +18,14 @@ Bounds:
   every running request, and time to first token stays bounded while long requests run;
 - fairness: rounds leave the queue first in, first out, and each request has at most one
   round queued per worker kind, so no request waits more than ⌈queued tokens / budget⌉ steps;
-- cohorts: a request answered by a target step queues its next round a few milliseconds
-  later (its tokens are committed and streamed first, and a drafting request asks the
-  draft worker in between). If the next step left at once, those requests would wait a
-  whole step, and the load settles into two half-size steps leapfrogging each other (on
-  SmolLM2 at 16 clients: steps of 11 and 5 rounds, 150 tok/s; gathered, ~12–16 rounds and
-  ~210 tok/s, `benchmarks/load.py`). So after a step a gathering batcher (the target's)
-  waits, up to GATHER_FRACTION of a step and at most GATHER_MAX_S, for the requests it
-  answered to queue again or finish, and only then sends the next step. The draft's
-  batcher does not gather: its requests go to the target next;
+- cohorts: a request answered by a target step queues its next round a little later (its
+  tokens are committed and streamed first, and a drafting request asks the draft worker in
+  between). If the next step left at once, those requests would wait a whole step, and the
+  load settles into two half-size steps leapfrogging each other, with less throughput than
+  gathered steps (benchmarks/load.py; figures in benchmarks/results/NOTES.md). So after a
+  step a gathering batcher (the target's) waits, up to GATHER_FRACTION of a step and at most
+  GATHER_MAX_S, for the requests it answered to queue again or finish, and only then sends
+  the next step. The draft's batcher does not gather: its requests go to the target next;
 - a queued round whose request is cancelled, or whose deadline passes, is dropped before
   its step is sent; a step call's own failure fails each of its rounds as that round's call
   would have failed, and each request retries on its own (coordinator.workers);

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 # A replica's own fault (a bug, out of memory, a full cache): its state for the session is
 # suspect, so the session is released there and rebuilt from scratch, on another replica
-# when there is one (DESIGN.md principle 1: nothing a worker holds is irreplaceable).
+# when there is one (the coordinator owns the committed tokens; a worker's cache is only an
+# optimisation, rebuilt from them).
 REPLICA_FAULT = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED,
                  grpc.StatusCode.DATA_LOSS}
 # A worker asking for a resync twice in a row for the same call is broken, not restarted.

@@ -16,7 +16,7 @@ from specdec.runtime.load import serving_lm
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec import eagle
 from specdec.eagle.checkpoint import is_eagle_dir
-from specdec.models import NGRAM, load_model, vocab_hash
+from specdec.models import NGRAM, load_model, load_tokenizer, vocab_hash
 from specdec.serving import ModelThread, RunningServer, start_server
 from specdec.sessions import Resync, SessionStore
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -95,8 +95,6 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> DraftWor
         bytes_per_token = NGRAM_TOKEN_BYTES
     elif isinstance(model, eagle.EagleHead) or (model is None and is_eagle_dir(config.model)):
         def load_head():
-            from specdec.models import load_tokenizer
-
             # A head reads the target's embeddings: loading it loads them (by its config's
             # target spec), and the target's tokenizer is the one it shares.
             head = model if model is not None else eagle.load(config.model)

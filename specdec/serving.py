@@ -38,9 +38,8 @@ class ModelThread:
         model), so that one thread does all of a worker's torch work. torch's OpenMP
         runtime (libgomp) gives every thread that runs parallel work its own pool of
         workers, and once a process holds more of them than there are cores it stops
-        spinning between parallel regions: a SmolLM2-135M step on the model thread measured
-        45 ms after loading on the main thread, 28 ms after loading on the model thread
-        (2 cores, 2 torch threads)."""
+        spinning between parallel regions, and every step on the model thread gets markedly
+        slower (figures in benchmarks/results/NOTES.md)."""
         return self._pool.submit(fn, *args).result()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:

@@ -1,5 +1,5 @@
 """Per-session KV caches on a worker, and the delta protocol that keeps them in step with
-the coordinator (DESIGN.md principle 1: the coordinator owns the truth; workers hold caches).
+the coordinator (the coordinator owns the committed tokens; workers only hold caches).
 
 A session's cache covers `ids`: the committed tokens the worker has seen plus, on a draft
 worker, the speculative tokens it fed itself. A round brings a delta (start, tokens): the

@@ -6,10 +6,11 @@ worker; served by a draft worker, every committed position's features cross the 
 (target → coordinator → draft, 1,152 bytes per token on SmolLM2) and every round waits for a
 Propose round trip before it can verify. Next to the target the head reads the states the
 verification has just computed, and drafts the next round's block in the same step: the
-verdict carries it (Verdict.next_drafts), so a round is one Verify call. The head costs ~3%
-of a target step (c ≈ 0.03 on CPU, specdec.eagle.fast_cpu_head), so it does not change how
-the target scales; this is also how EAGLE heads are served in one-process systems (vLLM and
-SGLang run the head in the target's worker). Output is unaffected: the target verifies every
+verdict carries it (Verdict.next_drafts), so a round is one Verify call. A head step costs a
+small fraction of a target step (specdec.eagle.fast_cpu_head; figures in
+benchmarks/results/NOTES.md), so it does not change how the target scales; this is also how
+EAGLE heads are served in one-process systems (vLLM and SGLang run the head in the target's
+worker). Output is unaffected: the target verifies every
 draft token exactly as it verifies a draft worker's.
 
 Per target session the head keeps its own session (its cache and the ids fed to it) and the
@@ -31,7 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.eagle.policy import EagleDrafter, Features
+from specdec import eagle
+from specdec.eagle.policy import MIN_ALT_PROB, MIN_CHAIN_PROB, EagleDrafter, Features
+from specdec.errors import InvalidArgument
 from specdec.sessions import Resync, Session, SyncedContext, common_prefix_len
 
 
@@ -94,7 +97,6 @@ class InlineHead:
         state.rows, state.start = state.rows[drop:], state.start + drop
         return result
 
-
     @staticmethod
     def alternatives(session: Session, drafts: list[int]) -> list[tuple[int, int]]:
         """The alternatives (depth, token) the head proposed with `drafts`: those of its last
@@ -110,15 +112,10 @@ def load_inline_head(spec: str | None, target, head=None, fast: bool = True,
                      min_chain_prob: float | None = None, min_alt_prob: float | None = None) -> InlineHead | None:
     """The head named by `spec` (a head directory or built-in name), or the given EagleHead,
     on top of the loaded `target` model; None when neither is given."""
-    from specdec import eagle
-    from specdec.eagle.policy import MIN_ALT_PROB, MIN_CHAIN_PROB
-
     if head is None and not spec:
         return None
     if head is None:
         if not eagle.is_eagle_dir(spec):
-            from specdec.errors import InvalidArgument
-
             raise InvalidArgument(f"--head {spec!r} is not a feature-level head directory (config.json with "
                                   f"specdec_draft: {eagle.KIND!r})")
         head = eagle.load(spec, target=target)

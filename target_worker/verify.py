@@ -1,12 +1,12 @@
-"""Greedy block verification on the target (plain Python; the servicer is a thin shell).
+"""Block verification on the target (plain Python; the servicer is a thin shell).
 
 One round: the committed tokens the cache lacks plus the k draft tokens go through the
-target in ONE forward pass. Logits at the position of the last committed token and of each
-draft token give the target's own greedy choice at every draft position; the longest
-prefix of drafts that equals those choices is accepted, and the target's choice right after
-it is the next token (the correction, or the bonus when all k were accepted). The cache is
-then cropped to the new committed length, minus that next token, whose keys are computed
-when it is fed in the next round.
+target in ONE forward pass. The logits at the position of the last committed token and of
+each draft token decide how many drafts are accepted and the target's next token (the
+correction, or the bonus when all k were accepted), by the acceptance rule, greedy or
+sampled, that kernels/rejection_sample.py states and cites; this module gathers the logits
+and calls the kernel ops (kernels/ops.py). The cache is then cropped to the new committed
+length, minus that next token, whose keys are computed when it is fed in the next round.
 
 With a head on this worker (target_worker.head), a greedy round may also score the head's
 alternatives: second-choice tokens at some depths of the draft it handed out, each run as a
@@ -16,11 +16,11 @@ alternative at d is the target's own choice there, the target's token after that
 alternative is committed too (Verdict.extra): every committed token is still the target's
 greedy choice given the tokens before it. The leaves enter the cache after the chain and
 are cropped with it; a committed alternative is fed again next round, like the next token.
-Sampled rounds take alternatives the same way: the target's token at a position is its own
-draw (Philox, keyed by seed and absolute position) from its distribution given the tokens
-before, so where that draw at the cut is the alternative, its draw at the next position
-from the alternative's leaf is what the target alone would draw there — no multi-draft
-acceptance rule is needed when drafts carry no probabilities (kernels/rejection_sample.py).
+Sampled rounds take alternatives the same way: for drafts without probabilities the
+target's token at every position is its own seeded draw (the coupled rule of
+kernels/rejection_sample.py), so where its draw at the cut is the alternative, its draw from
+the alternative's leaf is what the target alone would draw next — no multi-draft acceptance
+rule is needed.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from specdec.errors import InvalidArgument, SpecdecError
 from specdec.runtime.lm import CausalLM
 from specdec.philox import round_uniforms
 from specdec.sampling import GREEDY, Sampling
-from specdec.sessions import Resync, SessionStore
+from specdec.sessions import Resync, Session, SessionStore, SyncedContext
 from target_worker.kernels import ops
 
 
@@ -76,6 +76,55 @@ class BatchOutcome:
     rows: int  # tokens run through the model (uncached committed + drafts, all sessions)
 
 
+@dataclass(frozen=True)
+class _Block:
+    """A round ready to run: its synced session and the tokens it feeds."""
+
+    index: int  # in the batch
+    round: Round
+    synced: SyncedContext
+    fed: list[int]  # the committed tokens the cache lacks, the drafts, then the alternatives' tokens
+    alternatives: list[tuple[int, int]]  # (depth, token) of each alternative, fed as a tree leaf
+
+    @property
+    def session(self) -> Session:
+        return self.synced.session
+
+    @property
+    def context_len(self) -> int:
+        """The committed length: the position of the round's first output token."""
+        return len(self.synced.context)
+
+    @property
+    def chain_len(self) -> int:
+        """Fed tokens before the alternatives: the uncached committed ones and the drafts."""
+        return len(self.fed) - len(self.alternatives)
+
+    @property
+    def chain_rows(self) -> int:
+        """Logit rows that decide the chain: the last committed token's and each draft's."""
+        return len(self.round.drafts) + 1
+
+    def parents(self) -> list[int] | None:
+        """The block as a tree (specdec.runtime.tree) when it has alternatives: an alternative
+        at depth d branches off where draft token d does."""
+        if not self.alternatives:
+            return None
+        committed = self.chain_len - len(self.round.drafts)
+        return list(range(-1, self.chain_len - 1)) + [committed + depth - 1 for depth, _ in self.alternatives]
+
+
+@dataclass(frozen=True)
+class _Score:
+    """One round's share of the forward pass: the target's decision on its chain, its
+    alternatives' logits and (when needed) the hidden states of what it fed."""
+
+    accepted: int
+    next_token: int
+    leaf_logits: torch.Tensor  # [len(alternatives), V]
+    states: torch.Tensor | None  # [len(fed), F]
+
+
 class Verifier:
     def __init__(self, lm: CausalLM, store: SessionStore, max_draft_tokens: int, head=None):
         self.lm = lm
@@ -105,8 +154,27 @@ class Verifier:
         would raise (an invalid round never fails the others)."""
         began = time.perf_counter()
         results: list[Verdict | Resync | BaseException | None] = [None] * len(rounds)
-        ready: list[tuple[int, object, list[int]]] = []  # (index, synced, tokens to feed)
-        leaves: list[list[tuple[int, int]]] = []  # per ready round: the alternatives fed after its drafts
+        blocks = self._prepare(rounds, results)
+        rows = sum(len(block.fed) for block in blocks)
+        try:
+            scores = self._score(blocks)
+        except Exception as exc:  # noqa: BLE001 - every round of the step failed alike
+            # feed_batch forgot the sessions' caches; each round is retried by its request.
+            for block in blocks:
+                results[block.index] = exc
+            blocks, scores = [], []
+        for block, score in zip(blocks, scores):
+            results[block.index] = self._conclude(block, score)
+        for block in blocks:
+            self.store.enforce_budget(keep=block.session.session_id)
+        step_s = time.perf_counter() - began
+        results = [dataclasses.replace(r, compute_s=step_s) if isinstance(r, Verdict) else r for r in results]
+        return BatchOutcome(results, step_s, rows)
+
+    def _prepare(self, rounds: list[Round], results: list) -> list[_Block]:
+        """Validates and syncs every round: one that fails or must resync gets its result here,
+        the others a block to feed."""
+        blocks: list[_Block] = []
         seen: set[str] = set()
         for i, rnd in enumerate(rounds):
             try:
@@ -122,71 +190,87 @@ class Verifier:
                 results[i] = synced
                 continue
             alternatives = self._alternatives(rnd, synced.session)
-            ready.append((i, synced, self.lm.prepare(synced) + rnd.drafts + [t for _, t in alternatives]))
-            leaves.append(alternatives)
-        rows = sum(len(fed) for _, _, fed in ready)
-        hidden: list = [None] * len(ready)
-        if ready:
-            try:
-                sessions, fed = [synced.session for _, synced, _ in ready], [fed for _, _, fed in ready]
-                keep = [len(rounds[i].drafts) + 1 + len(alt) for (i, _, _), alt in zip(ready, leaves)]
-                parents = [self._tree(len(f) - len(alt), len(rounds[i].drafts), alt) if alt else None
-                           for (i, _, f), alt in zip(ready, leaves)]
-                parents = parents if any(p is not None for p in parents) else None
-                if self.head is not None or any(rounds[i].features for i, _, _ in ready):
-                    aux = tuple(self.head.aux_layers) if self.head is not None else ()
-                    logits, hidden = self.lm.feed_batch(sessions, fed, keep, features=True, aux_layers=aux,
-                                                        parents=parents)
-                else:
-                    logits = self.lm.feed_batch(sessions, fed, keep)
-                # The chain's rows first; the alternatives' after them.
-                leaf_logits = [logits_i[len(rounds[i].drafts) + 1:] for (i, _, _), logits_i in zip(ready, logits)]
-                decisions = self._decide_batch([logits_i[:len(rounds[i].drafts) + 1]
-                                                for (i, _, _), logits_i in zip(ready, logits)],
-                                               [rounds[i] for i, _, _ in ready],
-                                               [len(synced.context) for _, synced, _ in ready])
-            except Exception as exc:  # noqa: BLE001 - every round of the step failed alike
-                # feed_batch forgot the sessions' caches; each round is retried by its request.
-                for i, _, _ in ready:
-                    results[i] = exc
-                ready = []
-                decisions = []
-            for (i, synced, fed), (accepted_n, next_id), states, alt, alt_logits in zip(
-                    ready, decisions, hidden, leaves, leaf_logits if ready else []):
-                committed = len(synced.context) + accepted_n
-                # Leaves sit after the chain in the cache: this crop drops them too.
-                self.lm.crop(synced.session, committed)
-                feature_start, feature_bytes, next_drafts = 0, b"", ()
-                # Cut at depth accepted_n: the alternative there, if the target chose it, and
-                # the target's choice after it (its leaf's logits) are committed as well.
-                leaf = next((j for j, (depth, token) in enumerate(alt)
-                             if depth == accepted_n < len(rounds[i].drafts) and token == next_id), None)
-                extra = (self._decide(alt_logits[leaf:leaf + 1], [], len(synced.context) + accepted_n + 1,
-                                      rounds[i].sampling)[1],) if leaf is not None else ()
-                if states is not None:
-                    # The fed committed tokens, then the accepted drafts: all now committed.
-                    fed_chain = len(fed) - len(alt)
-                    fed_committed = fed_chain - len(rounds[i].drafts)
-                    feature_start = len(synced.context) - fed_committed
-                    if leaf is not None:  # then the committed alternative's
-                        states = torch.cat([states[:fed_committed + accepted_n], states[fed_chain + leaf:][:1]])
-                    states = states[:fed_committed + accepted_n + len(extra)].to(torch.float16).contiguous()
-                    if self.head is not None:
-                        self.head.record(synced.session, feature_start, states)
-                        if rounds[i].draft_next:
-                            context = synced.context + rounds[i].drafts[:accepted_n] + [next_id] + list(extra)
-                            next_drafts = tuple(self.head.draft(synced.session, context, rounds[i].draft_next))
-                    # On the wire: the final hidden states only (what WorkerInfo.feature_size says).
-                    feature_bytes = states[:, :self.lm.feature_size].cpu().contiguous().numpy().tobytes() \
-                        if rounds[i].features else b""
-                    feature_start = feature_start if rounds[i].features else 0
-                results[i] = Verdict(accepted_n, next_id, committed, 0.0, feature_start, feature_bytes, next_drafts,
-                                     extra)
-            for i, synced, _ in ready:
-                self.store.enforce_budget(keep=synced.session.session_id)
-        step_s = time.perf_counter() - began
-        results = [dataclasses.replace(r, compute_s=step_s) if isinstance(r, Verdict) else r for r in results]
-        return BatchOutcome(results, step_s, rows)
+            fed = self.lm.prepare(synced) + rnd.drafts + [token for _, token in alternatives]
+            blocks.append(_Block(i, rnd, synced, fed, alternatives))
+        return blocks
+
+    def _score(self, blocks: list[_Block]) -> list[_Score]:
+        """ONE forward pass over every block, then each round's (accepted, next token)."""
+        if not blocks:
+            return []
+        logits, states = self._forward(blocks)
+        # The chain's rows first; the alternatives' after them.
+        decisions = self._decide_batch([logits_i[:block.chain_rows] for block, logits_i in zip(blocks, logits)],
+                                       [block.round for block in blocks],
+                                       [block.context_len for block in blocks])
+        return [_Score(accepted, next_token, logits_i[block.chain_rows:], states_i)
+                for block, (accepted, next_token), logits_i, states_i in zip(blocks, decisions, logits, states)]
+
+    def _forward(self, blocks: list[_Block]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """Per block the logits of its last committed token, drafts and alternatives, and the
+        hidden states of every position it fed when the head or the wire needs them."""
+        sessions, fed = [block.session for block in blocks], [block.fed for block in blocks]
+        keep = [block.chain_rows + len(block.alternatives) for block in blocks]
+        if self.head is None and not any(block.round.features for block in blocks):
+            return self.lm.feed_batch(sessions, fed, keep), [None] * len(blocks)
+        parents = [block.parents() for block in blocks]
+        aux = tuple(self.head.aux_layers) if self.head is not None else ()
+        return self.lm.feed_batch(sessions, fed, keep, features=True, aux_layers=aux,
+                                  parents=parents if any(p is not None for p in parents) else None)
+
+    def _conclude(self, block: _Block, score: _Score) -> Verdict:
+        """The round's verdict: its cache cropped to the committed length, a chosen alternative
+        committed, the committed positions' states handed to the head and the wire."""
+        accepted, next_token = score.accepted, score.next_token
+        cached_len = block.context_len + accepted
+        # Leaves sit after the chain in the cache: this crop drops them too.
+        self.lm.crop(block.session, cached_len)
+        leaf, extra = self._chosen_alternative(block, score)
+        feature_start, feature_bytes, next_drafts = 0, b"", ()
+        if score.states is not None:
+            feature_start, states = self._committed_states(block, score.states, accepted, leaf, len(extra))
+            next_drafts = self._head_round(block, feature_start, states, accepted, next_token, extra)
+            if block.round.features:
+                # On the wire: the final hidden states only (what WorkerInfo.feature_size says).
+                feature_bytes = states[:, :self.lm.feature_size].cpu().contiguous().numpy().tobytes()
+            else:
+                feature_start = 0
+        return Verdict(accepted, next_token, cached_len, 0.0, feature_start, feature_bytes, next_drafts, extra)
+
+    def _chosen_alternative(self, block: _Block, score: _Score) -> tuple[int | None, tuple[int, ...]]:
+        """(leaf, extra): where the chain is cut at depth `accepted` and the alternative there is
+        the target's own next token, that leaf's index and the target's token after it (from
+        the leaf's logits), committed as well; (None, ()) otherwise."""
+        leaf = next((j for j, (depth, token) in enumerate(block.alternatives)
+                     if depth == score.accepted < len(block.round.drafts) and token == score.next_token), None)
+        if leaf is None:
+            return None, ()
+        after = self._decide(score.leaf_logits[leaf:leaf + 1], [], block.context_len + score.accepted + 1,
+                             block.round.sampling)[1]
+        return leaf, (after,)
+
+    @staticmethod
+    def _committed_states(block: _Block, states: torch.Tensor, accepted: int, leaf: int | None,
+                          extra: int) -> tuple[int, torch.Tensor]:
+        """(position of the first, float16 [n, F] states) of the positions this round fed and
+        committed: the fed committed tokens, the accepted drafts, then a committed alternative."""
+        fed_committed = block.chain_len - len(block.round.drafts)
+        if leaf is not None:
+            states = torch.cat([states[:fed_committed + accepted], states[block.chain_len + leaf:][:1]])
+        states = states[:fed_committed + accepted + extra].to(torch.float16).contiguous()
+        return block.context_len - fed_committed, states
+
+    def _head_round(self, block: _Block, feature_start: int, states: torch.Tensor, accepted: int, next_token: int,
+                    extra: tuple[int, ...]) -> tuple[int, ...]:
+        """With a head on this worker: it takes the committed positions' states and, when
+        asked, drafts the next round's block after this round's committed tokens."""
+        if self.head is None:
+            return ()
+        self.head.record(block.session, feature_start, states)
+        if not block.round.draft_next:
+            return ()
+        context = block.synced.context + block.round.drafts[:accepted] + [next_token] + list(extra)
+        return tuple(self.head.draft(block.session, context, block.round.draft_next))
 
     def _alternatives(self, rnd: Round, session) -> list[tuple[int, int]]:
         """The head's alternatives (depth, token) to score with this round's drafts: rounds
@@ -194,14 +278,6 @@ class Verifier:
         if self.head is None or not rnd.drafts or rnd.features or not self.lm.runs_trees:
             return []
         return self.head.alternatives(session, rnd.drafts)
-
-    @staticmethod
-    def _tree(fed_chain: int, drafts: int, alternatives: list[tuple[int, int]]) -> list[int]:
-        """Parents (specdec.runtime.tree) of a block of fed_chain tokens, the
-        last `drafts` of them the draft, followed by the alternatives: an alternative at
-        depth d branches off where draft token d does."""
-        committed = fed_chain - drafts
-        return list(range(-1, fed_chain - 1)) + [committed + depth - 1 for depth, _ in alternatives]
 
     def _validate(self, rnd: Round) -> None:
         if len(rnd.drafts) > self.max_draft_tokens:

@@ -82,16 +82,27 @@ def test_packed_forward_equals_each_session_alone(target):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(a.abs().max()))
 
 
-@cpu_only
-def test_packed_forward_after_rollback_and_a_failure_forgets_the_batch(target):
-    lm = serving_lm(target)
+def rolled_back_sessions(lm) -> list[Session]:
+    """Two sessions fed 20 and 30 tokens, then cropped to 15 as rejected drafts are dropped."""
     sessions = fresh_sessions(lm, [tokens(20, 1), tokens(30, 2)])
     for s in sessions:
         lm.crop(s, 15)  # rejected drafts dropped
-    out = lm.feed_batch(sessions, [[7, 8], [9]], [2, 1])
+    return sessions
+
+
+@cpu_only
+def test_packed_forward_after_rollback_equals_the_target(target):
+    lm = serving_lm(target)
+    out = lm.feed_batch(rolled_back_sessions(lm), [[7, 8], [9]], [2, 1])
     with torch.no_grad():
         expected = target(torch.tensor([tokens(20, 1)[:15] + [7, 8]])).logits[0, -2:].float()
     torch.testing.assert_close(out[0], expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
+@cpu_only
+def test_a_failed_packed_forward_forgets_the_batch(target):
+    lm = serving_lm(target)
+    sessions = rolled_back_sessions(lm)
     with pytest.raises(IndexError):
         lm.feed_batch(sessions, [[7], [10 ** 6]], [1, 1])  # an id past the embedding
     assert all(s.cache is None and s.ids == [] for s in sessions)  # rebuilt on the next round
@@ -146,7 +157,11 @@ def test_a_model_that_takes_its_cache_as_past_key_values_keeps_it(target):
     torch.testing.assert_close(results[0], results[1])
 
 
-def test_verify_batch_decides_each_round_as_alone_and_isolates_bad_rounds(target):
+@pytest.fixture(scope="module")
+def mixed_verify_batch(target):
+    """(what a verifier decides for the three good rounds sent one by one, the outcome of one
+    verify_batch of them with three bad rounds: outside the vocabulary, a session the worker
+    never saw, the same session twice)"""
     def verifier():
         lm = serving_lm(target)
         return Verifier(lm, SessionStore(64, 1 << 30, lm.bytes_per_token), max_draft_tokens=8)
@@ -164,14 +179,42 @@ def test_verify_batch_decides_each_round_as_alone_and_isolates_bad_rounds(target
     expected = []
     for r in rounds[:3]:
         expected.append(alone.verify(r.session_id, r.start, r.tokens, r.drafts, r.sampling))
-    outcome = verifier().verify_batch(rounds)
+    return expected, verifier().verify_batch(rounds)
+
+
+def test_verify_batch_decides_each_round_as_alone(mixed_verify_batch):
+    expected, outcome = mixed_verify_batch
     got = outcome.results
     assert [(v.accepted, v.next_token, v.cached_len) for v in got[:3]] == [
         (v.accepted, v.next_token, v.cached_len) for v in expected]
-    assert got[0].accepted == 3 and isinstance(got[0], Verdict)
-    assert isinstance(got[3], InvalidArgument) and "vocabulary" in str(got[3])
-    assert isinstance(got[4], Resync) and got[4].cached_len == 0
-    assert isinstance(got[5], InvalidArgument) and "more than one round" in str(got[5])
+
+
+def test_verify_batch_accepts_the_drafts_the_target_agrees_with(mixed_verify_batch):
+    _, outcome = mixed_verify_batch
+    first = outcome.results[0]
+    assert first.accepted == 3 and isinstance(first, Verdict)
+
+
+def test_verify_batch_refuses_a_round_outside_the_vocabulary_alone(mixed_verify_batch):
+    _, outcome = mixed_verify_batch
+    error = outcome.results[3]
+    assert isinstance(error, InvalidArgument) and "vocabulary" in str(error)
+
+
+def test_verify_batch_asks_an_unknown_session_to_resync_alone(mixed_verify_batch):
+    _, outcome = mixed_verify_batch
+    resync = outcome.results[4]
+    assert isinstance(resync, Resync) and resync.cached_len == 0
+
+
+def test_verify_batch_refuses_a_second_round_of_one_session_alone(mixed_verify_batch):
+    _, outcome = mixed_verify_batch
+    error = outcome.results[5]
+    assert isinstance(error, InvalidArgument) and "more than one round" in str(error)
+
+
+def test_verify_batch_counts_only_the_rows_of_rounds_it_ran(mixed_verify_batch):
+    _, outcome = mixed_verify_batch
     assert outcome.rows == 25 + 4 + 12 + 40 + 4
 
 
@@ -198,7 +241,12 @@ class FakeResponse:
         self.results = results
 
 
-def test_step_batcher_budget_fifo_cancellation_and_failures():
+@pytest.fixture(scope="module")
+def step_batcher_run():
+    """(the rounds of each step sent, the results of r0..r4, the outcome of a round whose step
+    fails) from one StepBatcher with a budget of 10 tokens and 3 rounds: r0 (4 tokens) in
+    flight alone while r1 (4), r2 (4), r3 (1), r4 (30) and "gone" (1, cancelled while queued)
+    queue."""
     async def scenario():
         steps: list[list[str]] = []
         release = asyncio.Event()
@@ -217,15 +265,35 @@ def test_step_batcher_budget_fifo_cancellation_and_failures():
         cancelled = asyncio.ensure_future(batcher.submit("gone", 1, 5.0))
         await asyncio.sleep(0.01)
         cancelled.cancel()
+        # Let the cancellation land before the steps go on: the fake worker answers without
+        # yielding, so the batcher would otherwise run every queued step before it does.
+        await asyncio.wait([cancelled])
         release.set()
         results = await asyncio.gather(first, *later)
         failing = await asyncio.gather(batcher.submit("boom", 1, 5.0), return_exceptions=True)
         return steps, results, failing
 
-    steps, results, failing = run(scenario())
+    return run(scenario())
+
+
+def test_step_batcher_fills_steps_in_order_up_to_the_token_budget(step_batcher_run):
+    steps, _, _ = step_batcher_run
     # Budget 10: r1 + r2 (8) fit, r3 would too (9) — then r4 (30) goes alone; "gone" never.
     assert steps[:3] == [["r0"], ["r1", "r2", "r3"], ["r4"]]
+
+
+def test_step_batcher_never_sends_a_cancelled_round(step_batcher_run):
+    steps, _, _ = step_batcher_run
+    assert not any("gone" in step for step in steps)
+
+
+def test_step_batcher_gives_each_round_its_own_result(step_batcher_run):
+    _, results, _ = step_batcher_run
     assert results == [f"done r{i}" for i in range(5)]
+
+
+def test_step_batcher_fails_the_rounds_of_a_failed_step_with_its_status(step_batcher_run):
+    _, _, failing = step_batcher_run
     assert isinstance(failing[0], RoundFailed) and failing[0].code() == grpc.StatusCode.UNAVAILABLE
 
 
@@ -350,27 +418,46 @@ def test_draft_tokens_get_dearer_as_the_batch_grows():
 # Through the services
 
 
-@pytest.mark.parametrize("drafter", ["model", NGRAM])
-def test_sixteen_concurrent_greedy_requests_equal_each_alone_and_the_target(drafter, target, other_draft, tokenizer):
-    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(16)]
-    expected = [reference_greedy(target, chat_ids(tokenizer, p), MAX_NEW) for p in prompts]
+GREEDY_PROMPTS = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(16)]
 
+
+@pytest.fixture(scope="module")
+def greedy_expected(target, tokenizer):
+    return [reference_greedy(target, chat_ids(tokenizer, p), MAX_NEW) for p in GREEDY_PROMPTS]
+
+
+@pytest.fixture(scope="module", params=["model", NGRAM])
+def sixteen_greedy(request, target, other_draft, tokenizer):
+    """(4 of the prompts sent one at a time, all 16 sent at once, the target steps those 16
+    took) through one stack per drafter."""
     async def scenario():
-        draft = other_draft if drafter == "model" else NGRAM
+        draft = other_draft if request.param == "model" else NGRAM
         async with running_stack(target, tokenizer, draft=draft, max_streams_per_client=32) as stack:
             async with Client(stack.address) as client:
                 alone = [(await client.complete(make_request(p, max_new_tokens=MAX_NEW, k=3))).token_ids
-                         for p in prompts[:4]]
+                         for p in GREEDY_PROMPTS[:4]]
                 batchers = stack.coordinator_servicer.runner.target._batchers.values()
                 steps_before = sum(b.steps for b in batchers)
                 together = await asyncio.gather(*(client.complete(make_request(p, max_new_tokens=MAX_NEW, k=3))
-                                                  for p in prompts))
+                                                  for p in GREEDY_PROMPTS))
                 steps = sum(b.steps for b in batchers) - steps_before
             return alone, together, steps
 
-    alone, together, steps = run(scenario())
-    assert [r.token_ids for r in together] == expected
-    assert alone == expected[:4]
+    return run(scenario())
+
+
+def test_sixteen_concurrent_greedy_requests_equal_the_target(sixteen_greedy, greedy_expected):
+    _, together, _ = sixteen_greedy
+    assert [r.token_ids for r in together] == greedy_expected
+
+
+def test_greedy_requests_one_at_a_time_equal_the_target(sixteen_greedy, greedy_expected):
+    alone, _, _ = sixteen_greedy
+    assert alone == greedy_expected[:4]
+
+
+def test_sixteen_concurrent_requests_share_target_steps(sixteen_greedy):
+    _, together, steps = sixteen_greedy
     # Rounds shared steps: far fewer target steps than the 16 requests' rounds.
     assert steps < 0.5 * sum(r.stats["rounds"] for r in together)
 

@@ -48,28 +48,70 @@ def test_every_output_equals_hf_generate(bench_report):
     assert "Every configuration's greedy output equals (1)" in stdout
 
 
-def test_report_has_every_configuration_kind_and_field(bench_report):
+def test_report_lists_every_configuration(bench_report):
     report, _, _ = bench_report
     assert {c["name"] for c in report["configurations"]} == CONFIGURATIONS
+
+
+def test_report_describes_the_machine(bench_report):
+    report, _, _ = bench_report
     assert MACHINE_FIELDS <= set(report["machine"])
-    for name in CONFIGURATIONS:
-        assert set(report["summary"][name]) == {*KINDS, "open", "all"}
-        for prompt, row in report["per_prompt"][name].items():
-            assert ROW_FIELDS <= set(row), (name, prompt)
-            if name == "specdec_ngram":
-                assert SPECULATIVE_FIELDS <= set(row), prompt
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGURATIONS))
+def test_report_summarises_every_kind_of_prompt(bench_report, name):
+    report, _, _ = bench_report
+    assert set(report["summary"][name]) == {*KINDS, "open", "all"}
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGURATIONS))
+def test_every_per_prompt_row_has_every_field(bench_report, name):
+    report, _, _ = bench_report
+    for prompt, row in report["per_prompt"][name].items():
+        assert ROW_FIELDS <= set(row), (name, prompt)
+
+
+def test_speculative_rows_have_the_speculation_fields(bench_report):
+    report, _, _ = bench_report
+    for prompt, row in report["per_prompt"]["specdec_ngram"].items():
+        assert SPECULATIVE_FIELDS <= set(row), prompt
+
+
+def test_report_has_every_measured_cost(bench_report):
+    report, _, _ = bench_report
     for measured in report["costs"].values():
         assert COST_FIELDS <= set(measured)
+
+
+def test_measured_step_costs_are_positive(bench_report):
+    report, _, _ = bench_report
+    for measured in report["costs"].values():
         assert measured["target_step_s"] > 0 and measured["v"] > 0
+
+
+def test_report_checks_every_target(bench_report):
+    report, _, _ = bench_report
     assert {t["name"] for t in report["targets"]} >= {"grounded_vs_hf_generate", "grounded_vs_hf_prompt_lookup",
                                                       "open_vs_target_only", "fraction_of_theoretical"}
+
+
+def test_report_has_one_run_per_configuration_per_kind(bench_report):
+    report, _, _ = bench_report
     assert len(report["runs"]) == len(CONFIGURATIONS) * len(KINDS)
 
 
-def test_markdown_table_and_chart_are_written(bench_report):
-    _, stdout, out = bench_report
+def test_markdown_table_is_printed(bench_report):
+    _, stdout, _ = bench_report
     assert "| # | configuration | kind | tok/s |" in stdout
+
+
+def test_markdown_report_is_written(bench_report):
+    _, _, out = bench_report
     assert (out / "tiny.md").read_text().startswith("# specdec bench")
+
+
+def test_chart_is_written_as_png(bench_report):
+    _, _, out = bench_report
     assert (out / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -158,9 +158,9 @@ def test_top_shows_the_served_requests(up):
 def test_up_defaults_to_the_head_trained_for_the_target_else_ngram(tmp_path, monkeypatch):
     from specdec import models
 
-    # The committed head for SmolLM2-135M trained within 90 minutes (drafts/), measured faster
+    # The committed head for SmolLM2-135M trained within 90 minutes (specdec/drafts/), measured faster
     # than n-gram overall.
     assert models.default_draft("smollm2-135m") == "smollm2-135m-eagle90"
     assert models.default_draft(str(tmp_path / "my-model")) == "ngram"
-    monkeypatch.setattr(models, "DRAFTS_DIR", tmp_path)  # e.g. the container image: no drafts/
+    monkeypatch.setattr(models, "DRAFTS_DIR", tmp_path)  # an installation without the heads
     assert models.default_draft("smollm2-135m") == "ngram"

@@ -14,8 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdec.train import distill
+from specdec.train import losses as distill_losses
 from specdec.train import prompts as distill_prompts
+from specdec.train import self_prompts, teacher
+from specdec.train.config import DistillConfig
+from specdec.train.evaluate import simulate_rounds
+from specdec.train.examples import collate_eagle, load_eagle_examples
+from specdec.train.losses import topk_distill_loss
 from specdec.bench.prompts import PROMPTS as BENCH_PROMPTS
 from specdec.cli import main
 from specdec.client import Client, make_request
@@ -89,7 +94,7 @@ def test_topk_distill_loss_has_autograd_gradient():
     probs = torch.softmax(torch.randn(rows, k, dtype=torch.float64), -1)  # [N, K]
     upstream_soft, upstream_hard = torch.rand(rows, dtype=torch.float64), torch.rand(rows, dtype=torch.float64)
 
-    soft, hard = distill.topk_distill_loss(logits, ids, probs)
+    soft, hard = topk_distill_loss(logits, ids, probs)
     ((soft * upstream_soft).sum() + (hard * upstream_hard).sum()).backward()
     ours = logits.grad.clone()
     logits.grad = None
@@ -107,22 +112,22 @@ def test_simulated_rounds_commit_accepted_plus_one():
     agree = [True, True, True, True, False, True, False, True, True]
     # round 1 at 0: 4 accepted, bonus at 4 -> 5; round 2 at 5: 1 accepted, correction at 6
     # -> 7; round 3 at 7: 2 left, both accepted -> done.
-    assert distill.simulate_rounds(agree, 4) == (3, 10, 7)
-    assert distill.simulate_rounds([False] * 3, 4) == (3, 3 + 2 + 1, 0)
-    assert distill.simulate_rounds([], 4) == (0, 0, 0)
+    assert simulate_rounds(agree, 4) == (3, 10, 7)
+    assert simulate_rounds([False] * 3, 4) == (3, 3 + 2 + 1, 0)
+    assert simulate_rounds([], 4) == (0, 0, 0)
 
 
 def test_teacher_generation_equals_target_greedy_alone(target, tokenizer):
     texts = ["Hi", "Write a long poem about the quick brown fox.", "def add(a, b):", "Summarise: the cat sat."]
-    prompts = [distill.chat_ids(tokenizer, t) for t in texts]  # different lengths: left padding
-    model, cache = distill._teacher_for_generation(target)
-    first = distill.teacher_generate(model, prompts, pad_id=tokenizer.pad_token_id, eos_ids=[], max_new_tokens=MAX_NEW,
-                                     top_k=4, new_cache=cache)
+    prompts = [teacher.chat_ids(tokenizer, t) for t in texts]  # different lengths: left padding
+    model, cache = teacher.teacher_for_generation(target)
+    first = teacher.teacher_generate(model, prompts, pad_id=tokenizer.pad_token_id, eos_ids=[], max_new_tokens=MAX_NEW,
+                                      top_k=4, new_cache=cache)
     # Make an early token of row 0 the end-of-sequence id, so rows finish at different
     # steps and the batch is compacted mid-generation.
     eos = [first.answers[0][2]]
-    result = distill.teacher_generate(model, prompts, pad_id=tokenizer.pad_token_id, eos_ids=eos,
-                                      max_new_tokens=MAX_NEW, top_k=4, new_cache=cache)
+    result = teacher.teacher_generate(model, prompts, pad_id=tokenizer.pad_token_id, eos_ids=eos,
+                                       max_new_tokens=MAX_NEW, top_k=4, new_cache=cache)
     assert len(result.answers[0]) <= 3
     for prompt, answer, ids, logprobs in zip(prompts, result.answers, result.topk_ids, result.topk_logprobs):
         assert answer == reference_greedy(target, prompt, MAX_NEW, eos_ids=eos)
@@ -132,23 +137,21 @@ def test_teacher_generation_equals_target_greedy_alone(target, tokenizer):
 
 def test_generation_captures_aux_layers_as_a_teacher_forced_pass_would(target, tokenizer):
     """The layer states stored while the teacher generates (KV-cached decode steps, rows
-    compacted as they finish) are what distill_eagle.extract_aux computes teacher-forced."""
-    from specdec.train import distill_eagle
-
+    compacted as they finish) are what teacher.extract_aux computes teacher-forced."""
     texts = ["Hi", "Write a long poem about the quick brown fox.", "def add(a, b):", "Summarise: the cat sat."]
-    prompts = [distill.chat_ids(tokenizer, t) for t in texts]
-    model, cache = distill._teacher_for_generation(target)
-    first = distill.teacher_generate(model, prompts, pad_id=tokenizer.pad_token_id, eos_ids=[], max_new_tokens=MAX_NEW,
-                                     top_k=4, new_cache=cache)
+    prompts = [teacher.chat_ids(tokenizer, t) for t in texts]
+    model, cache = teacher.teacher_for_generation(target)
+    first = teacher.teacher_generate(model, prompts, pad_id=tokenizer.pad_token_id, eos_ids=[], max_new_tokens=MAX_NEW,
+                                      top_k=4, new_cache=cache)
     eos = [first.answers[0][2]]  # row 0 finishes early: the batch is compacted
-    result = distill.teacher_generate(model, prompts, pad_id=tokenizer.pad_token_id, eos_ids=eos,
-                                      max_new_tokens=MAX_NEW, top_k=4, new_cache=cache, features=True,
-                                      aux_layers=(1, 0))
-    assert result.answers == distill.teacher_generate(model, prompts, pad_id=tokenizer.pad_token_id, eos_ids=eos,
-                                                      max_new_tokens=MAX_NEW, top_k=4, new_cache=cache).answers
+    result = teacher.teacher_generate(model, prompts, pad_id=tokenizer.pad_token_id, eos_ids=eos,
+                                       max_new_tokens=MAX_NEW, top_k=4, new_cache=cache, features=True,
+                                       aux_layers=(1, 0))
+    assert result.answers == teacher.teacher_generate(model, prompts, pad_id=tokenizer.pad_token_id, eos_ids=eos,
+                                                       max_new_tokens=MAX_NEW, top_k=4, new_cache=cache).answers
     assert not model.model.layers[0]._forward_hooks  # the capture hooks are gone
     sequences = [(p + a)[:-1] for p, a in zip(result.prompts, result.answers)]
-    forced = distill_eagle.aux_states(target, sequences, (1, 0))
+    forced = teacher.aux_states(target, sequences, (1, 0))
     hidden = target.config.hidden_size
     for got, want, feats, seq in zip(result.aux, forced, result.features, sequences):
         assert got.shape == want.shape == (len(seq), 2 * hidden) and feats.shape == (len(seq), hidden)
@@ -195,7 +198,7 @@ def test_users_prompts_are_added_to_the_training_prompts(tmp_path, target, token
     answered = set()
     for path in (work / "data").glob("*-train-s0.pt"):
         answered.update(tuple(p) for p in torch.load(path, weights_only=True)["prompts"])
-    assert answered == {tuple(distill.chat_ids(tokenizer, t)) for t in builtin + mine}
+    assert answered == {tuple(teacher.chat_ids(tokenizer, t)) for t in builtin + mine}
     assert json.loads((out / "distill.json").read_text())["data"]["train_prompts"] == 7
     # Other prompts are other data: a resume with them is refused.
     prompts.write_text(json.dumps({"prompt": mine[0]}) + "\n")
@@ -212,7 +215,7 @@ def test_self_written_prompts_are_answered_after_the_built_in_ones(tmp_path, tar
     args[args.index("--train-prompts") + 1] = "4"
     assert main(args) == 0
     work = out.with_name(out.name + ".work")
-    written = distill.read_self_prompts(work)
+    written = self_prompts.read_self_prompts(work)
     summary = json.loads((out / "distill.json").read_text())["data"]["self_prompts"]
     assert summary["kept"] == len(written) and summary["sampled"] >= 16
     assert summary["kept"] + sum(summary["dropped"].values()) == summary["sampled"]
@@ -220,9 +223,9 @@ def test_self_written_prompts_are_answered_after_the_built_in_ones(tmp_path, tar
     answered = set()
     for path in (work / "data").glob("*-train-s0.pt"):
         answered.update(tuple(p) for p in torch.load(path, weights_only=True)["prompts"])
-    assert answered == {tuple(distill.chat_ids(tokenizer, t)) for t in builtin + written}
+    assert answered == {tuple(teacher.chat_ids(tokenizer, t)) for t in builtin + written}
     assert main(args + ["--resume"]) == 0  # the stored requests are reused, not rewritten
-    assert distill.read_self_prompts(work) == written
+    assert self_prompts.read_self_prompts(work) == written
     args[args.index("--self-prompts") + 1] = "41"
     assert main(args + ["--resume"]) != 0
     args[args.index("--self-prompts") + 1] = "-1"
@@ -230,27 +233,52 @@ def test_self_written_prompts_are_answered_after_the_built_in_ones(tmp_path, tar
     assert not (tmp_path / "other.work" / "data").exists()
 
 
-def test_a_bfloat16_teacher_answers_the_training_prompts_and_the_served_target_the_held_out(
-        tmp_path, target, tokenizer):
-    """--teacher-dtype bfloat16: training answers come from a bfloat16 copy of the target
-    (faster on CPUs with bf16 dot products), held-out answers still from the target as
-    loaded, so agreement is measured against what is served; the dtype is part of the
-    data's identity."""
-    target_dir = save_model_dir(tmp_path / "target", target, tokenizer)
-    shards = {}
+@pytest.fixture(scope="module")
+def teacher_dtypes(tmp_path_factory, target, tokenizer):
+    """--teacher-dtype float32, then bfloat16, on the same prompts: each run's record and
+    greedy (sample 0) shards, and the bfloat16 run's arguments. A bfloat16 teacher (faster
+    on CPUs with bf16 dot products) answers the training prompts; held-out answers still
+    come from the target as loaded, so agreement is measured against what is served."""
+    root = tmp_path_factory.mktemp("teacher-dtype")
+    target_dir = save_model_dir(root / "target", target, tokenizer)
+    shards, records = {}, {}
     for dtype in ("float32", "bfloat16"):
-        out = tmp_path / dtype
+        out = root / dtype
         args = tiny_run_args(target_dir, out, 2, "--teacher-dtype", dtype)
         assert main(args) == 0
-        assert json.loads((out / "distill.json").read_text())["config"]["teacher_dtype"] == dtype
+        records[dtype] = json.loads((out / "distill.json").read_text())
         data = out.with_name(out.name + ".work") / "data"
         shards[dtype] = {p.name: torch.load(p, weights_only=True) for p in data.glob("*-s0.pt")}
+    return {"shards": shards, "records": records, "args": args}
+
+
+def _compare_teacher_shards(teacher_dtypes, split: str) -> None:
+    shards = teacher_dtypes["shards"]
     assert shards["float32"].keys() == shards["bfloat16"].keys()
-    for name, fp32 in shards["float32"].items():
-        bf16 = shards["bfloat16"][name]
+    names = [name for name in shards["float32"] if f"-{split}-" in name]
+    assert names, f"no {split} shards"
+    for name in names:
+        fp32, bf16 = shards["float32"][name], shards["bfloat16"][name]
         assert bf16["prompts"] == fp32["prompts"]
         same = all(torch.equal(a, b) for a, b in zip(fp32["topk_logprobs"], bf16["topk_logprobs"]))
         assert same == ("-heldout-" in name), name  # bf16 log-probs differ from fp32's; held-out ones do not
+
+
+def test_a_bfloat16_teacher_answers_the_training_prompts(teacher_dtypes):
+    _compare_teacher_shards(teacher_dtypes, distill_prompts.TRAIN)
+
+
+def test_the_served_target_answers_the_held_out_prompts_beside_a_bfloat16_teacher(teacher_dtypes):
+    _compare_teacher_shards(teacher_dtypes, distill_prompts.HELDOUT)
+
+
+def test_the_teacher_dtype_is_recorded(teacher_dtypes):
+    for dtype, record in teacher_dtypes["records"].items():
+        assert record["config"]["teacher_dtype"] == dtype
+
+
+def test_the_teacher_dtype_is_part_of_the_datas_identity(teacher_dtypes):
+    args = list(teacher_dtypes["args"])
     assert main(args + ["--resume"]) == 0
     args[args.index("--teacher-dtype") + 1] = "float32"
     assert main(args + ["--resume"]) != 0  # other data: refused
@@ -262,20 +290,20 @@ def test_smollm2_writes_distinct_whole_requests_of_its_own(tmp_path):
     message (ended by the end-of-turn token, no special tokens), distinct, off the bench's
     subjects and not one already taken; the prefix is how every chat of the target begins."""
     model, tokenizer = load_model("smollm2-135m")
-    prefix = distill.user_turn_prefix(tokenizer)
-    assert distill.chat_ids(tokenizer, "Hello there")[:len(prefix)] == prefix
+    prefix = self_prompts.user_turn_prefix(tokenizer)
+    assert teacher.chat_ids(tokenizer, "Hello there")[:len(prefix)] == prefix
     assert tokenizer.decode(prefix).endswith("user\n")
-    config = distill.DistillConfig(target="smollm2-135m", out_dir=tmp_path / "out", work_dir=tmp_path,
-                                   self_prompts=12, gen_batch=16)
+    config = DistillConfig(target="smollm2-135m", out_dir=tmp_path / "out", work_dir=tmp_path,
+                           self_prompts=12, gen_batch=16)
     taken = {"Can you help me?"}
-    summary = distill.write_self_prompts(config, model, tokenizer, pad_id=tokenizer.pad_token_id,
-                                         eos_ids=eos_token_ids(model, tokenizer), taken=taken,
-                                         deadline=float("inf"))
-    written = distill.read_self_prompts(tmp_path)
+    summary = self_prompts.write_self_prompts(config, model, tokenizer, pad_id=tokenizer.pad_token_id,
+                                              eos_ids=eos_token_ids(model, tokenizer), taken=taken,
+                                              deadline=float("inf"))
+    written = self_prompts.read_self_prompts(tmp_path)
     assert len(written) == summary["kept"] == 12  # SmolLM2 finishes most requests well inside the limit
     assert summary["kept"] + sum(summary["dropped"].values()) == summary["sampled"]
     assert len(set(written)) == 12 and not taken & set(written)
-    assert all(len(t.split()) >= distill.SELF_PROMPT_MIN_WORDS for t in written)
+    assert all(len(t.split()) >= self_prompts.SELF_PROMPT_MIN_WORDS for t in written)
     assert not any(distill_prompts.excluded(t) for t in written)
     assert not any(s in t for t in written for s in tokenizer.all_special_tokens)
     # Real requests: most end as a question or an instruction would.
@@ -343,13 +371,13 @@ def test_draft_through_the_services_is_token_identical_to_the_target(distilled, 
 
     results = run(scenario())
     for text, result in zip(SERVICE_PROMPTS, results):
-        assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
+        assert result.token_ids == reference_greedy(target, teacher.chat_ids(tokenizer, text), MAX_NEW), text
     assert sum(r.stats["proposed"] for r in results) > 0  # the draft was asked
 
 
 def test_draft_works_as_an_hf_assistant_model(distilled, target, tokenizer):
     draft, _ = load_model(str(distilled["out"]))
-    ids = distill.chat_ids(tokenizer, SERVICE_PROMPTS[0])
+    ids = teacher.chat_ids(tokenizer, SERVICE_PROMPTS[0])
     with torch.inference_mode():
         assisted = target.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                    assistant_model=draft, do_sample=False, max_new_tokens=MAX_NEW)
@@ -378,58 +406,94 @@ def distilled_eagle(tmp_path_factory, target, tokenizer):
     return {"target_dir": target_dir, "out": out, "record": record, "vocab": vocab}
 
 
-def test_eagle_distill_lowers_the_loss_and_resumes(distilled_eagle):
+def test_eagle_distill_lowers_the_loss(distilled_eagle):
     record = distilled_eagle["record"]
     losses = [h["loss"] for h in record["history"] if "loss" in h]
     assert losses[-1] < LOSS_DROP * losses[0], losses
+
+
+def test_eagle_distill_resumes_with_one_history(distilled_eagle):
+    record = distilled_eagle["record"]
     assert record["training"]["steps"] == TOTAL_STEPS
     assert [h["step"] for h in record["history"] if "loss" in h] == list(range(LOG_EVERY, TOTAL_STEPS + 1, LOG_EVERY))
+
+
+def test_eagle_record_describes_the_head(distilled_eagle):
+    record = distilled_eagle["record"]
     assert record["kind"] == "eagle" and record["student"]["feature_bytes_per_token"] == 2 * 64
-    assert 0 < record["data"]["draft_vocab_coverage_train"] <= 1
+
+
+def test_eagle_record_has_the_draft_vocabularys_coverage(distilled_eagle):
+    assert 0 < distilled_eagle["record"]["data"]["draft_vocab_coverage_train"] <= 1
+
+
+def test_eagle_record_measures_the_served_head(distilled_eagle):
+    record = distilled_eagle["record"]
     assert "sim_alpha" in record["final"] and record["cost"]["c"] > 0
 
 
-def test_bf16_logits_give_the_fp32_loss_and_gradient_within_bf16_rounding(distilled_eagle):
-    """--bf16-logits only rounds the draft-vocabulary logits: the loss and the gradient are
-    the fp32-logits ones to bf16 precision (a wrong product or a dropped gradient is not)."""
+@pytest.fixture(scope="module")
+def bf16_logits_steps(distilled_eagle):
+    """--bf16-logits only rounds the draft-vocabulary logits: (loss, gradient) of one batch
+    with fp32 logits, then with bf16 ones, from the trained head."""
     from specdec import eagle
-    from specdec.train import distill_eagle
 
     work = distilled_eagle["out"].with_name(distilled_eagle["out"].name + ".work")
-    examples = distill_eagle.load_examples(work, distill_prompts.TRAIN)[:8]
+    examples = load_eagle_examples(work, distill_prompts.TRAIN)[:8]
     head = eagle.load(distilled_eagle["out"])
     vocab = distilled_eagle["vocab"]
     index_of = torch.full((int(head.embed.shape[0]),), -1, dtype=torch.long)
     index_of[vocab] = torch.arange(len(vocab))
-    batch = distill_eagle.collate(examples, 0, index_of, head.config.hidden_size)
+    batch = collate_eagle(examples, 0, index_of, head.config.hidden_size)
     results = []
     for bf16_logits in (False, True):
         head.zero_grad(set_to_none=True)
-        loss, _ = distill_eagle.step_loss(head, batch, 2, 0.5, 1.0, True, bf16_logits)
+        loss, _ = distill_losses.eagle_step_loss(head, batch, 2, 0.5, 1.0, True, bf16_logits)
         loss.backward()
         grad = torch.cat([p.grad.flatten() for p in head.parameters() if p.grad is not None])
         results.append((float(loss.detach()), grad))
-    (loss32, grad32), (loss16, grad16) = results
+    return results
+
+
+def test_bf16_logits_give_the_fp32_loss_within_bf16_rounding(bf16_logits_steps):
+    (loss32, _), (loss16, _) = bf16_logits_steps
     assert abs(loss16 - loss32) <= 1e-2 * abs(loss32)
+
+
+def test_bf16_logits_give_the_fp32_gradient_within_bf16_rounding(bf16_logits_steps):
+    """A wrong product or a dropped gradient is not within bf16 rounding."""
+    (_, grad32), (_, grad16) = bf16_logits_steps
     assert float(torch.nn.functional.cosine_similarity(grad16, grad32, dim=0)) > 0.99
     assert grad16.shape == grad32.shape and float(grad16.abs().sum()) > 0
 
 
-def test_feature_noise_is_scaled_to_each_state_and_spares_empty_rows():
-    """--feature-noise: U(-a, a) × the RMS of each H-wide state (final, then aux layers, whose
-    scales differ by orders of magnitude); zero rows (position 0, padding) stay zero; the
-    same generator seed gives the same noise (a resumed run repeats it)."""
-    from specdec.train import distill_eagle
-
+def _noisy_features_case():
+    """--feature-noise on three H-wide states (final, then aux layers, whose scales differ by
+    orders of magnitude) with zero rows (position 0, padding): (features, hidden, a, noisy)."""
     hidden, a = 16, 0.2
     torch.manual_seed(0)
     features = torch.randn(3, 40, 3 * hidden) * torch.tensor([1.0, 10.0, 300.0]).repeat_interleave(hidden)
     features[:, 0] = 0  # position 0
     features[2, 30:] = 0  # padding
-    noisy = distill_eagle.noisy_features(features, hidden, a, torch.Generator().manual_seed(5))
-    assert torch.equal(noisy, distill_eagle.noisy_features(features, hidden, a, torch.Generator().manual_seed(5)))
-    assert not torch.equal(noisy, distill_eagle.noisy_features(features, hidden, a, torch.Generator().manual_seed(6)))
+    noisy = distill_losses.noisy_features(features, hidden, a, torch.Generator().manual_seed(5))
+    return features, hidden, a, noisy
+
+
+def test_feature_noise_repeats_with_its_seed():
+    """The same generator seed gives the same noise (a resumed run repeats it)."""
+    features, hidden, a, noisy = _noisy_features_case()
+    assert torch.equal(noisy, distill_losses.noisy_features(features, hidden, a, torch.Generator().manual_seed(5)))
+    assert not torch.equal(noisy, distill_losses.noisy_features(features, hidden, a, torch.Generator().manual_seed(6)))
+
+
+def test_feature_noise_spares_empty_rows():
+    features, _, _, noisy = _noisy_features_case()
     assert torch.equal(noisy[:, 0], features[:, 0]) and torch.equal(noisy[2, 30:], features[2, 30:])
+
+
+def test_feature_noise_is_scaled_to_each_state():
+    """U(-a, a) × the RMS of each H-wide state."""
+    features, hidden, a, noisy = _noisy_features_case()
     segments = features.unflatten(-1, (3, hidden))
     rms = segments.pow(2).mean(-1, keepdim=True).sqrt()
     relative = ((noisy.unflatten(-1, (3, hidden)) - segments) / rms.clamp_min(1e-12))[rms.squeeze(-1) > 0]
@@ -439,26 +503,30 @@ def test_feature_noise_is_scaled_to_each_state_and_spares_empty_rows():
         assert abs(float(relative[:, s].std()) - a / 3 ** 0.5) < 0.02
 
 
-def test_feature_noise_reaches_the_loss_and_a_bad_amplitude_is_refused(distilled_eagle, tmp_path, capsys):
+def test_feature_noise_reaches_the_loss(distilled_eagle):
     from specdec import eagle
-    from specdec.train import distill_eagle
 
     work = distilled_eagle["out"].with_name(distilled_eagle["out"].name + ".work")
     head = eagle.load(distilled_eagle["out"])
     vocab = distilled_eagle["vocab"]
     index_of = torch.full((int(head.embed.shape[0]),), -1, dtype=torch.long)
     index_of[vocab] = torch.arange(len(vocab))
-    batch = distill_eagle.collate(distill_eagle.load_examples(work, distill_prompts.TRAIN)[:8], 0, index_of,
-                                  head.config.hidden_size)
+    batch = collate_eagle(load_eagle_examples(work, distill_prompts.TRAIN)[:8], 0, index_of, head.config.hidden_size)
     with torch.no_grad():
-        clean, _ = distill_eagle.step_loss(head, batch, 2, 0.5, 1.0, False)
-        again, _ = distill_eagle.step_loss(head, batch, 2, 0.5, 1.0, False, feature_noise=0.0)
-        noisy, _ = distill_eagle.step_loss(head, batch, 2, 0.5, 1.0, False, feature_noise=0.3,
-                                           generator=torch.Generator().manual_seed(1))
+        clean, _ = distill_losses.eagle_step_loss(head, batch, 2, 0.5, 1.0, False)
+        again, _ = distill_losses.eagle_step_loss(head, batch, 2, 0.5, 1.0, False, feature_noise=0.0)
+        noisy, _ = distill_losses.eagle_step_loss(head, batch, 2, 0.5, 1.0, False, feature_noise=0.3,
+                                                  generator=torch.Generator().manual_seed(1))
     assert float(clean) == float(again) and float(noisy) != float(clean)
+
+
+def test_a_feature_noise_amplitude_out_of_range_is_refused(distilled_eagle, tmp_path, capsys):
     assert main(tiny_run_args(distilled_eagle["target_dir"], tmp_path / "h", 4, "--kind", "eagle",
                               "--feature-noise", "-1")) != 0
     assert "--feature-noise" in capsys.readouterr().err
+
+
+def test_feature_noise_with_kind_model_is_refused(distilled_eagle, tmp_path, capsys):
     assert main(tiny_run_args(distilled_eagle["target_dir"], tmp_path / "d", 4, "--feature-noise", "0.1")) != 0
     assert "--kind eagle only" in capsys.readouterr().err
 
@@ -486,7 +554,7 @@ def test_eagle_head_through_the_services_is_token_identical(distilled_eagle, tar
 
     results = run(scenario())
     for text, result in zip(SERVICE_PROMPTS, results):
-        assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
+        assert result.token_ids == reference_greedy(target, teacher.chat_ids(tokenizer, text), MAX_NEW), text
     assert sum(r.stats["proposed"] for r in results) > 0
 
 
@@ -543,23 +611,20 @@ def test_a_head_reading_aux_layers_is_token_identical_on_the_target(distilled_au
                 return [await client.complete(make_request(p, max_new_tokens=MAX_NEW, k=4)) for p in SERVICE_PROMPTS]
 
     for text, result in zip(SERVICE_PROMPTS, run(scenario())):
-        assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
+        assert result.token_ids == reference_greedy(target, teacher.chat_ids(tokenizer, text), MAX_NEW), text
 
 
-def test_single_step_fraction_trains_one_step_then_the_full_unroll(tmp_path, target, tokenizer, monkeypatch, capsys):
+def test_single_step_fraction_trains_one_step_then_the_full_unroll(tmp_path, target, tokenizer, monkeypatch):
     """--single-step-fraction F: the first F of training (here by steps) unrolls one step
-    only, the rest --unroll steps; what step_loss is given is what the log records. Out of
-    range or with --kind model: refused before any data."""
-    from specdec.train import distill_eagle
-
+    only, the rest --unroll steps; what eagle_step_loss is given is what the log records."""
     given: list[int] = []
-    step_loss = distill_eagle.step_loss
+    step_loss = distill_losses.eagle_step_loss
 
     def recording(head, batch, unroll, *args, **kwargs):
         given.append(unroll)
         return step_loss(head, batch, unroll, *args, **kwargs)
 
-    monkeypatch.setattr(distill_eagle, "step_loss", recording)
+    monkeypatch.setattr(distill_losses, "eagle_step_loss", recording)
     target_dir = save_model_dir(tmp_path / "target", target, tokenizer)
     out = tmp_path / "head"
     assert main(tiny_run_args(target_dir, out, 20, "--kind", "eagle", "--draft-vocab", "96", "--unroll", "3",
@@ -567,7 +632,12 @@ def test_single_step_fraction_trains_one_step_then_the_full_unroll(tmp_path, tar
     assert given == [1] * 10 + [3] * 10
     record = json.loads((out / "distill.json").read_text())
     assert [h["unroll"] for h in record["history"] if "loss" in h] == given
-    for extra in (("--kind", "eagle", "--single-step-fraction", "1"), ("--single-step-fraction", "0.5")):
-        assert main(tiny_run_args(target_dir, tmp_path / "refused", 4, *extra)) != 0
-        assert "--single-step-fraction" in capsys.readouterr().err
-        assert not (tmp_path / "refused.work" / "data").exists()
+
+
+@pytest.mark.parametrize("extra", [("--kind", "eagle", "--single-step-fraction", "1"),
+                                   ("--single-step-fraction", "0.5")], ids=["out_of_range", "with_kind_model"])
+def test_a_bad_single_step_fraction_is_refused_before_any_data(tmp_path, target, tokenizer, capsys, extra):
+    target_dir = save_model_dir(tmp_path / "target", target, tokenizer)
+    assert main(tiny_run_args(target_dir, tmp_path / "refused", 4, *extra)) != 0
+    assert "--single-step-fraction" in capsys.readouterr().err
+    assert not (tmp_path / "refused.work" / "data").exists()

@@ -114,26 +114,34 @@ def test_a_head_with_aux_layers_starts_as_the_head_it_is_warm_started_from(tmp_p
         eagle.warm_start(other, tmp_path)
 
 
-def test_drafter_copies_a_repeated_ngram_and_uses_the_head_otherwise():
+REPEATED = [5, 6, 7, 8, 9, 5, 6]  # "5 6" occurred before, followed by 7 8 9
+FRESH = [11, 12, 13, 14, 15, 16, 17]  # no n-gram repeats
+
+
+def propose_from_seed_3(lookup: bool, context: list[int]) -> list[int]:
+    """What a drafter over small_head(3), with n-gram lookup or without, proposes (k = 3) for a
+    new session's context, given features seeded by the context's length."""
     from specdec.eagle.policy import EagleDrafter, Features
     from specdec.sessions import SessionStore
 
-    head = small_head(3)
-    store = SessionStore(4, 1 << 30, 1)
-    repeated = [5, 6, 7, 8, 9, 5, 6]  # "5 6" occurred before, followed by 7 8 9
-    fresh = [11, 12, 13, 14, 15, 16, 17]
+    options = {} if lookup else {"lookup_ngram": 0}
+    drafter = EagleDrafter("h", small_head(3), min_chain_prob=0.0, **options)
+    synced = SessionStore(4, 1 << 30, 1).sync("s", 0, context)
+    rows = torch.randn(len(context) - 1, 32, generator=torch.Generator().manual_seed(len(context))).half()
+    return drafter.propose(synced, 3, Features(0, rows.numpy().tobytes(), 32))
 
-    def propose(drafter, session_id, context):
-        synced = store.sync(session_id, 0, context)
-        rows = torch.randn(len(context) - 1, 32, generator=torch.Generator().manual_seed(len(context))).half()
-        return drafter.propose(synced, 3, Features(0, rows.numpy().tobytes(), 32))
 
-    hybrid = EagleDrafter("h", head, min_chain_prob=0.0)
-    plain = EagleDrafter("h", head, lookup_ngram=0, min_chain_prob=0.0)
-    assert propose(hybrid, "a", repeated) == [7, 8, 9]
-    chain = propose(plain, "b", repeated)
-    assert len(chain) == 3 and all(t in head.draft_vocab.tolist() for t in chain)
-    assert propose(hybrid, "c", fresh) == propose(plain, "d", fresh)  # no match: the head's chain
+def test_drafter_copies_a_repeated_ngram():
+    assert propose_from_seed_3(True, REPEATED) == [7, 8, 9]
+
+
+def test_drafter_without_lookup_drafts_from_the_heads_vocabulary():
+    chain = propose_from_seed_3(False, REPEATED)
+    assert len(chain) == 3 and all(t in small_head(3).draft_vocab.tolist() for t in chain)
+
+
+def test_drafter_uses_the_heads_chain_without_a_repeated_ngram():
+    assert propose_from_seed_3(True, FRESH) == propose_from_seed_3(False, FRESH)
 
 
 def _features(context: list[int], seed: int):

@@ -13,7 +13,7 @@ import torch
 
 from coordinator.workers import FeatureLog
 from specdec import eagle
-from specdec.train import distill
+from specdec.train.teacher import chat_ids
 from specdec.client import Client, make_request
 from specdec.errors import FailedPrecondition
 from specdec.sessions import SessionStore
@@ -129,7 +129,7 @@ def test_head_through_the_services_is_token_identical(target, tokenizer, options
 
     results, seen = run(scenario())
     for text, result in zip(PROMPTS, results):
-        assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
+        assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, text), MAX_NEW), text
         assert result.stats["resyncs"] == 0
     assert sum(r.stats["proposed"] for r in results) > 0
     assert check_features(target, seen) > 0
@@ -160,7 +160,7 @@ def test_a_restarted_draft_worker_gets_the_features_resent(target, tokenizer, mo
             return result, seen
 
     result, seen = run(scenario())
-    assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, prompt), max_new)
+    assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, prompt), max_new)
     assert result.stats["resyncs"] >= 1
     assert any(f is not None and f.start == 0 for _, f in seen)  # rebuilt from position 0
     assert check_features(target, seen) > 0

@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from specdec.train import distill
+from specdec.train.teacher import chat_ids
 from specdec.client import Client, make_request
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.sessions import SessionStore
@@ -53,7 +53,7 @@ def served_with_head(target, tokenizer, head, **options):
 
     results, seen = run(scenario())
     for text, result in zip(PROMPTS, results):
-        assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
+        assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, text), MAX_NEW), text
     return results, seen
 
 
@@ -81,7 +81,7 @@ def test_concurrent_requests_with_a_head_on_the_target(target, tokenizer):
                                               for p in PROMPTS * 2])
 
     for text, result in zip(PROMPTS * 2, run(scenario())):
-        assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
+        assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, text), MAX_NEW), text
 
 
 def test_sampling_with_a_head_on_the_target_matches_sampling_without(target, tokenizer):
@@ -125,7 +125,7 @@ def test_a_session_lost_mid_request_rebuilds_the_head(target, tokenizer, monkeyp
             return result, seen
 
     result, seen = run(scenario())
-    assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, prompt), max_new)
+    assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, prompt), max_new)
     assert result.stats["resyncs"] >= 1
     assert any(f.start == 0 for _, f in seen)  # the head was fed again from position 0
     assert check_features(target, seen) > 0
@@ -187,7 +187,7 @@ def test_the_draft_worker_drafts_only_for_a_target_replica_without_a_head(target
             return with_head, asked_with_head, without, len(calls)
 
     with_head, asked_with_head, without, asked = run(scenario())
-    reference = reference_greedy(target, distill.chat_ids(tokenizer, prompt), MAX_NEW)
+    reference = reference_greedy(target, chat_ids(tokenizer, prompt), MAX_NEW)
     assert with_head.token_ids == reference and without.token_ids == reference
     assert with_head.stats["proposed"] > 0 and asked_with_head == 0
     assert asked > 0

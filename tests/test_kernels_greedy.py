@@ -111,7 +111,20 @@ def test_kernel_with_no_draft_positions() -> None:
     assert torch.equal(next_token, logits[:, 0].argmax(dim=-1))
 
 
-def test_ops_on_cpu_takes_the_reference_and_accepts_int32() -> None:
+def test_ops_on_cpu_takes_the_reference(monkeypatch) -> None:
+    logits, draft_tokens, num_draft = make_dummy(7, 4, 1031, torch.float32, seed=5)
+    calls = []
+
+    def reference(*args):
+        calls.append(args)
+        return greedy_verify_ref(*args)
+
+    monkeypatch.setattr(ops, "greedy_verify_ref", reference)
+    ops.greedy_verify(logits, draft_tokens, num_draft)
+    assert len(calls) == 1
+
+
+def test_ops_accepts_int32_indices() -> None:
     logits, draft_tokens, num_draft = make_dummy(7, 4, 1031, torch.float32, seed=5)
     expected = greedy_verify_ref(logits, draft_tokens, num_draft)
     got = ops.greedy_verify(logits, draft_tokens.int(), num_draft.int())

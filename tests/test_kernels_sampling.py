@@ -225,7 +225,20 @@ def test_one_hot_kernel_reads_bf16_and_fp16() -> None:
         assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), dtype
 
 
-def test_ops_on_cpu_takes_the_reference_and_casts_inputs() -> None:
+def test_ops_on_cpu_takes_the_reference(monkeypatch) -> None:
+    inputs = make_dummy(7, 4, 1031, True, seed=5)
+    calls = []
+
+    def reference(*args):
+        calls.append(args)
+        return rejection_sample_ref(*args)
+
+    monkeypatch.setattr(ops, "rejection_sample_ref", reference)
+    ops.rejection_sample(**inputs)
+    assert len(calls) == 1
+
+
+def test_ops_casts_int32_indices() -> None:
     inputs = make_dummy(7, 4, 1031, True, seed=5)
     expected = rejection_sample_ref(**inputs)
     inputs["draft_tokens"] = inputs["draft_tokens"].int()
@@ -262,14 +275,24 @@ def test_philox_matches_random123_known_answers() -> None:
     assert torch.equal(philox4x32_10(counter, key), expected)
 
 
-def test_philox_uniforms_depend_only_on_seed_position_and_stream() -> None:
-    seeds = torch.tensor([7, -3, 2**40 + 5])
-    positions = torch.arange(12).view(3, 4) * 1000 + 17
-    u = philox_uniforms(seeds, positions, STREAM_ACCEPT)  # [3, 4]
+PHILOX_SEEDS = torch.tensor([7, -3, 2**40 + 5])
+PHILOX_POSITIONS = torch.arange(12).view(3, 4) * 1000 + 17
+
+
+def test_philox_uniforms_do_not_depend_on_the_batch_layout() -> None:
+    u = philox_uniforms(PHILOX_SEEDS, PHILOX_POSITIONS, STREAM_ACCEPT)  # [3, 4]
     # The same (seed, position) in another batch layout gives the same number.
-    alone = philox_uniforms(seeds[2:], positions[2:, 1:3].contiguous(), STREAM_ACCEPT)
+    alone = philox_uniforms(PHILOX_SEEDS[2:], PHILOX_POSITIONS[2:, 1:3].contiguous(), STREAM_ACCEPT)
     assert torch.equal(alone, u[2:, 1:3])
-    assert not torch.equal(philox_uniforms(seeds, positions, STREAM_SAMPLE), u)
+
+
+def test_philox_uniforms_differ_between_streams() -> None:
+    u = philox_uniforms(PHILOX_SEEDS, PHILOX_POSITIONS, STREAM_ACCEPT)  # [3, 4]
+    assert not torch.equal(philox_uniforms(PHILOX_SEEDS, PHILOX_POSITIONS, STREAM_SAMPLE), u)
+
+
+def test_philox_uniforms_are_float64_in_the_unit_interval() -> None:
+    u = philox_uniforms(PHILOX_SEEDS, PHILOX_POSITIONS, STREAM_ACCEPT)  # [3, 4]
     assert u.dtype == torch.float64 and bool(((u >= 0) & (u < 1)).all())
 
 

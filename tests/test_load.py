@@ -25,9 +25,16 @@ async def attempt(client: Client, prompt: str, **kwargs):
         return exc
 
 
-def test_a_flood_past_the_limits_is_refused_cleanly_and_the_service_recovers(target, tokenizer):
-    expected = {p: reference_greedy(target, chat_ids(tokenizer, p), MAX_NEW) for p in PROMPTS}
+@pytest.fixture(scope="module")
+def expected(target, tokenizer):
+    return {p: reference_greedy(target, chat_ids(tokenizer, p), MAX_NEW) for p in PROMPTS}
 
+
+@pytest.fixture(scope="module")
+def flood(target, tokenizer):
+    """(three waves of 40 concurrent requests at a coordinator admitting 4, the peak RSS after
+    each, a request after the waves, (target, draft) sessions held once drained, requests the
+    coordinator still counts active) from one stack."""
     async def scenario():
         async with running_stack(target, tokenizer, draft=NGRAM, max_concurrent_requests=4,
                                  max_streams_per_client=64) as stack:
@@ -38,24 +45,70 @@ def test_a_flood_past_the_limits_is_refused_cleanly_and_the_service_recovers(tar
                     waves.append(await asyncio.gather(*(attempt(client, PROMPTS[i % 4]) for i in range(40))))
                     peak_rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
                 after = await attempt(client, PROMPTS[0])
-                sessions = (len(stack.target_servicer.store), len(stack.draft_servicer.store))
                 await stack.coordinator_servicer.runner.drain()
                 sessions_after_drain = (len(stack.target_servicer.store), len(stack.draft_servicer.store))
-                return waves, peak_rss, after, sessions, sessions_after_drain, stack.coordinator_servicer.active
+                return waves, peak_rss, after, sessions_after_drain, stack.coordinator_servicer.active
 
-    waves, peak_rss, after, _, sessions, active = run(scenario())
-    for wave in waves:
-        refused = [r for r in wave if isinstance(r, grpc.aio.AioRpcError)]
-        served = [(i, r) for i, r in enumerate(wave) if not isinstance(r, grpc.aio.AioRpcError)]
-        assert refused and served
-        assert {e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
-        assert all("retry" in e.details() for e in refused)
-        for i, result in served:
-            assert result.token_ids == expected[PROMPTS[i % 4]]
+    return run(scenario())
+
+
+def refused(wave) -> list[grpc.aio.AioRpcError]:
+    return [r for r in wave if isinstance(r, grpc.aio.AioRpcError)]
+
+
+def served(wave) -> list:
+    """(index in the wave, result) of each request that was not refused"""
+    return [(i, r) for i, r in enumerate(wave) if not isinstance(r, grpc.aio.AioRpcError)]
+
+
+WAVES = pytest.mark.parametrize("wave", range(3))
+
+
+@WAVES
+def test_a_flood_past_the_limits_gets_requests_refused(flood, wave):
+    assert refused(flood[0][wave])
+
+
+@WAVES
+def test_a_flood_past_the_limits_still_serves_requests(flood, wave):
+    assert served(flood[0][wave])
+
+
+@WAVES
+def test_refusals_are_resource_exhausted(flood, wave):
+    assert {e.code() for e in refused(flood[0][wave])} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+@WAVES
+def test_refusals_say_to_retry(flood, wave):
+    assert all("retry" in e.details() for e in refused(flood[0][wave]))
+
+
+@WAVES
+def test_requests_served_during_a_flood_equal_the_target(flood, expected, wave):
+    for i, result in served(flood[0][wave]):
+        assert result.token_ids == expected[PROMPTS[i % 4]]
+
+
+def test_memory_stays_bounded_through_floods(flood):
+    _, peak_rss, _, _, _ = flood
     # Bounded: the later waves need no more memory than the first (within 64 MiB).
     assert peak_rss[-1] - peak_rss[0] < 64 * 1024
+
+
+def test_the_service_recovers_after_a_flood(flood, expected):
+    _, _, after, _, _ = flood
     assert not isinstance(after, grpc.aio.AioRpcError) and after.token_ids == expected[PROMPTS[0]]
-    assert sessions == (0, 0) and active == 0
+
+
+def test_a_flood_leaves_no_worker_session(flood):
+    _, _, _, sessions, _ = flood
+    assert sessions == (0, 0)
+
+
+def test_a_flood_leaves_no_request_active(flood):
+    _, _, _, _, active = flood
+    assert active == 0
 
 
 def test_per_client_rate_limit(target, tokenizer):
@@ -76,7 +129,10 @@ def test_per_client_rate_limit(target, tokenizer):
     assert not isinstance(later, grpc.aio.AioRpcError)
 
 
-def test_a_deadline_ends_the_request_and_frees_its_sessions(target, tokenizer):
+@pytest.fixture(scope="module")
+def deadline_run(target, tokenizer):
+    """(the status of a request whose 1 s deadline passes while its round is held, a request's
+    result after it, (target, draft) sessions held once drained) from one stack."""
     async def scenario():
         async with running_stack(target, tokenizer, draft=target) as stack:
             gate = Gate(stack.target_servicer.verifier.verify_batch, at_call=2)
@@ -94,7 +150,19 @@ def test_a_deadline_ends_the_request_and_frees_its_sessions(target, tokenizer):
                 return caught.value.code(), healthy, (len(stack.target_servicer.store),
                                                       len(stack.draft_servicer.store))
 
-    code, healthy, sessions = run(scenario())
+    return run(scenario())
+
+
+def test_a_deadline_ends_the_request_with_deadline_exceeded(deadline_run):
+    code, _, _ = deadline_run
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert healthy.token_ids == reference_greedy(target, chat_ids(tokenizer, PROMPTS[1]), MAX_NEW)
+
+
+def test_the_service_serves_after_a_deadline(deadline_run, expected):
+    _, healthy, _ = deadline_run
+    assert healthy.token_ids == expected[PROMPTS[1]]
+
+
+def test_a_deadline_frees_the_requests_sessions(deadline_run):
+    _, _, sessions = deadline_run
     assert sessions == (0, 0)

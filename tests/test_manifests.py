@@ -400,10 +400,14 @@ def test_gpu_overlay_keeps_the_coordinator_off_gpu_nodes() -> None:
     assert not any(t.get("key") == GPU_RESOURCE for t in pod.get("tolerations", []))
 
 
-def test_gpu_overlay_workers_run_the_cuda_image_and_the_coordinator_the_cpu_image() -> None:
+def test_gpu_overlay_workers_run_the_cuda_image() -> None:
     docs = _render("gpu")
     for worker in WORKERS:
         assert main_container(deployment(docs, worker))["image"].endswith("-cuda"), worker
+
+
+def test_gpu_overlay_coordinator_runs_the_cpu_image() -> None:
+    docs = _render("gpu")
     assert not main_container(deployment(docs, COORDINATOR))["image"].endswith("-cuda")
 
 
@@ -450,22 +454,29 @@ def test_model_configmap_names_every_model(rendered: Docs) -> None:
     assert {"target-model", "draft-model", "tokenizer"} <= set(models["data"])
 
 
-def test_claim_references_resolve_and_mount_read_only(rendered: Docs) -> None:
+def claimed_volumes(docs: Docs) -> Iterator[tuple[str, dict[str, Any], str, dict[str, Any]]]:
+    """(deployment name, container, volume name, its persistentVolumeClaim source) for every
+    claim-backed volume of every container's pod."""
+    for dep_name, pod, container in containers(docs):
+        for volume in pod.get("volumes", []):
+            if "persistentVolumeClaim" in volume:
+                yield dep_name, container, volume["name"], volume["persistentVolumeClaim"]
+
+
+def test_claim_references_resolve_to_rendered_claims(rendered: Docs) -> None:
     claims = {c["metadata"]["name"] for c in of_kind(rendered, "PersistentVolumeClaim")}
-    for dep_name, pod, container in containers(rendered):
-        claimed = {
-            v["name"]: v["persistentVolumeClaim"]
-            for v in pod.get("volumes", [])
-            if "persistentVolumeClaim" in v
-        }
-        for volume, claim in claimed.items():
-            assert claim["claimName"] in claims, (
-                f"{dep_name}: claim {claim['claimName']} not rendered"
-            )
-            mounts = [m for m in container.get("volumeMounts", []) if m["name"] == volume]
-            assert mounts and all(m.get("readOnly") for m in mounts), (
-                f"{dep_name}: {volume} not mounted read-only"
-            )
+    for dep_name, _, _, claim in claimed_volumes(rendered):
+        assert claim["claimName"] in claims, (
+            f"{dep_name}: claim {claim['claimName']} not rendered"
+        )
+
+
+def test_claimed_volumes_mount_read_only(rendered: Docs) -> None:
+    for dep_name, container, volume, _ in claimed_volumes(rendered):
+        mounts = [m for m in container.get("volumeMounts", []) if m["name"] == volume]
+        assert mounts and all(m.get("readOnly") for m in mounts), (
+            f"{dep_name}: {volume} not mounted read-only"
+        )
 
 
 def test_cache_dir_is_a_writable_volume(rendered: Docs) -> None:

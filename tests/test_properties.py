@@ -403,21 +403,36 @@ def million_token_ids() -> Case:
 
 # --- the properties --------------------------------------------------------------------------
 
-@settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=False,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
-@given(case=cases())
-@example(case=over_limit_text())
-@example(case=over_context_text())
-@example(case=million_token_ids())
-def test_any_request_gets_a_clear_status_and_the_service_keeps_serving(service, case):
-    async def scenario():
-        outcome = await send(service.channel, case)
-        return outcome, await probe(service)
+def any_request(test):
+    """The property's examples: every generated case, and the three over-limit ones."""
+    decorators = [
+        settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None, print_blob=False,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                        HealthCheck.large_base_example]),
+        given(case=cases()),
+        example(case=over_limit_text()),
+        example(case=over_context_text()),
+        example(case=million_token_ids()),
+    ]
+    for decorate in reversed(decorators):
+        test = decorate(test)
+    return test
 
-    outcome, probed = run(scenario())
+
+@any_request
+def test_any_request_gets_a_clear_status(service, case):
+    outcome = run(send(service.channel, case))
     service.seen[outcome.code.name] += 1
     check_outcome(case, outcome, service.vocab_size)
-    assert probed == service.expected, "a well-behaved request got other tokens after this one"
+
+
+@any_request
+def test_the_service_keeps_serving_after_any_request(service, case):
+    async def scenario():
+        await send(service.channel, case)
+        return await probe(service)
+
+    assert run(scenario()) == service.expected, "a well-behaved request got other tokens after this one"
 
 
 @pytest.mark.parametrize("bad", [b"\xff", b"\xc3\x28", b"\xe2\x82", b"\xed\xa0\x80"],

@@ -51,18 +51,39 @@ async def complete_all(address: str, prompts, **kwargs):
                                       for p in prompts))
 
 
-def test_sessions_stick_to_one_replica_and_new_ones_spread(target, draft, tokenizer, expected):
+@pytest.fixture(scope="module")
+def two_replica_run(target, draft, tokenizer):
+    """(the session ids each of two target replicas verified, the results of PROMPTS sent at
+    once) through one cluster."""
     async def scenario():
         async with running_cluster(target, tokenizer, draft, HOSTS) as cluster:
             seen = [record_sessions(servicer) for _, servicer in cluster.targets]
             results = await complete_all(cluster.address, PROMPTS)
             return seen, results
 
-    seen, results = run(scenario())
+    return run(scenario())
+
+
+def test_output_through_many_replicas_equals_the_target(two_replica_run, expected):
+    _, results = two_replica_run
     assert [r.token_ids for r in results] == [expected[p] for p in PROMPTS]
+
+
+def test_new_sessions_spread_over_every_replica(two_replica_run):
+    seen, _ = two_replica_run
     per_replica = [set(s) for s in seen]
     assert all(per_replica), f"a replica got no session: {per_replica}"
+
+
+def test_a_sessions_rounds_stick_to_one_replica(two_replica_run):
+    seen, _ = two_replica_run
+    per_replica = [set(s) for s in seen]
     assert not per_replica[0] & per_replica[1], "a session's rounds went to two replicas"
+
+
+def test_each_request_is_one_session_on_the_replicas(two_replica_run):
+    seen, _ = two_replica_run
+    per_replica = [set(s) for s in seen]
     assert len(per_replica[0] | per_replica[1]) == len(PROMPTS)
 
 
@@ -97,8 +118,10 @@ def test_killing_a_target_and_a_draft_replica_mid_generation_keeps_every_output(
     assert sum(r.stats["resyncs"] for r in results) >= 1, "no session had to move"
 
 
-def test_all_drafts_down_gives_exact_target_only_output_and_speculation_resumes(target, draft, tokenizer,
-                                                                                  expected):
+@pytest.fixture(scope="module")
+def drafts_down_and_back(target, draft, tokenizer):
+    """(results with every draft replica stopped, the seconds they took, results once one
+    draft replica is back) through one cluster."""
     from tests.harness import start_draft
 
     async def scenario():
@@ -114,11 +137,27 @@ def test_all_drafts_down_gives_exact_target_only_output_and_speculation_resumes(
             back = await complete_all(cluster.address, PROMPTS[:2])
             return without, without_s, back
 
-    without, without_s, back = run(scenario())
+    return run(scenario())
+
+
+def test_all_drafts_down_gives_exact_target_only_output(drafts_down_and_back, expected):
+    without, _, _ = drafts_down_and_back
     assert [r.token_ids for r in without] == [expected[p] for p in PROMPTS[:2]]
-    assert [r.token_ids for r in back] == [expected[p] for p in PROMPTS[:2]]
-    assert sum(r.stats["proposed"] for r in back) > 0, "speculation did not resume"
+
+
+def test_all_drafts_down_does_not_stall_requests(drafts_down_and_back):
+    _, without_s, _ = drafts_down_and_back
     assert without_s < 20
+
+
+def test_output_after_a_draft_returns_equals_the_target(drafts_down_and_back, expected):
+    _, _, back = drafts_down_and_back
+    assert [r.token_ids for r in back] == [expected[p] for p in PROMPTS[:2]]
+
+
+def test_speculation_resumes_when_a_draft_returns(drafts_down_and_back):
+    _, _, back = drafts_down_and_back
+    assert sum(r.stats["proposed"] for r in back) > 0, "speculation did not resume"
 
 
 def test_all_targets_down_fails_unavailable_within_the_bound(target, draft, tokenizer):
@@ -200,11 +239,17 @@ def test_a_replica_serving_another_vocabulary_is_never_used(target, draft, token
     assert [r.token_ids for r in results] == [expected[p] for p in PROMPTS]
 
 
-def test_endpoint_lists_parse_and_localhost_resolves():
+def test_endpoint_lists_parse():
     assert parse_endpoints("a:1, b:2") == [("a", 1), ("b", 2)]
     assert parse_endpoints("[::1]:50052") == [("::1", 50052)]
+
+
+def test_an_endpoint_without_a_port_is_refused():
     with pytest.raises(ValueError, match="host:port"):
         parse_endpoints("no-port")
+
+
+def test_localhost_resolves():
     assert "127.0.0.1:50052" in run(resolve_dns("localhost", 50052))
 
 

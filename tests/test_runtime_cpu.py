@@ -60,10 +60,17 @@ def greedy_through(lm: CausalLM, ids: list[int], max_new: int, eos: int) -> list
     return out
 
 
-def test_fast_model_packs_every_linear_and_switches_attention(plain):
-    fast = fast_cpu_model(plain)
+@pytest.fixture(scope="module")
+def fast(plain):
+    return fast_cpu_model(plain)
+
+
+def test_fast_model_packs_every_linear(fast):
     assert not any(type(m) is torch.nn.Linear for m in fast.modules())
     assert sum(isinstance(m, PackedLinear) for m in fast.modules()) == 2 * 7 + 1  # q k v o gate up down, lm_head
+
+
+def test_fast_model_switches_attention(fast):
     assert fast.config._attn_implementation == SPECDEC_ATTENTION
 
 
@@ -152,7 +159,10 @@ def test_model_without_linear_layers_keeps_its_output():
     assert greedy_through(serving_lm(model), ids, 12, eos=0) == reference_greedy(model, ids, 12)
 
 
-def test_self_check_accepts_the_copy_and_rejects_another_model(plain, tokenizer):
-    assert agrees(plain, fast_cpu_model(plain))
+def test_self_check_accepts_the_copy(plain, fast):
+    assert agrees(plain, fast)
+
+
+def test_self_check_rejects_another_model(plain, tokenizer):
     other = make_tiny_model(tokenizer, seed=7, layers=2, max_positions=KV_BLOCK_TOKENS + 64)
     assert not agrees(plain, fast_cpu_model(other))

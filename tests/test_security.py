@@ -72,7 +72,9 @@ async def stop_all(servers, servicer):
         await server.stop(grace=0)
 
 
-def test_mtls_between_services_and_tls_to_the_client(certs, target, tokenizer):
+@pytest.fixture(scope="module")
+def tls_result(certs, target, tokenizer):
+    """A request from a TLS client through a coordinator whose workers demand mTLS."""
     async def scenario():
         coordinator, target_server, draft, servicer = await tls_stack(certs, target, tokenizer)
         try:
@@ -81,9 +83,15 @@ def test_mtls_between_services_and_tls_to_the_client(certs, target, tokenizer):
         finally:
             await stop_all([coordinator, draft, target_server], servicer)
 
-    result = run(scenario())
-    assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, PROMPTS[1]), MAX_NEW)
-    assert result.stats["proposed"] > 0  # the draft worker was reached over mTLS too
+    return run(scenario())
+
+
+def test_a_tls_client_gets_the_targets_output_through_mtls_workers(tls_result, target, tokenizer):
+    assert tls_result.token_ids == reference_greedy(target, chat_ids(tokenizer, PROMPTS[1]), MAX_NEW)
+
+
+def test_the_draft_worker_is_reached_over_mtls(tls_result):
+    assert tls_result.stats["proposed"] > 0
 
 
 @pytest.mark.parametrize("peer", ["no client certificate", "plaintext"])
@@ -107,20 +115,28 @@ def test_a_worker_refuses_a_peer_without_a_valid_client_certificate(peer, certs,
     assert run(scenario()) == grpc.StatusCode.UNAVAILABLE
 
 
-def test_plaintext_off_loopback_needs_insecure_and_is_logged(caplog):
-    async def scenario(insecure: bool):
-        server = await start_server(ServerConfig(host="0.0.0.0", port=0, insecure=insecure), lambda s: None, ["x"])
-        await server.stop(grace=0)
+async def start_plaintext_off_loopback(insecure: bool) -> None:
+    server = await start_server(ServerConfig(host="0.0.0.0", port=0, insecure=insecure), lambda s: None, ["x"])
+    await server.stop(grace=0)
 
+
+def test_plaintext_off_loopback_needs_insecure():
     with pytest.raises(FailedPrecondition, match="--insecure"):
-        run(scenario(False))
+        run(start_plaintext_off_loopback(False))
+
+
+def test_plaintext_off_loopback_is_logged(caplog):
     with caplog.at_level(logging.WARNING):
-        run(scenario(True))
+        run(start_plaintext_off_loopback(True))
     assert any("INSECURE" in r.getMessage() for r in caplog.records)
 
 
-def test_bearer_tokens_wrong_missing_rotated_and_health_without_token(certs, target, tokenizer, tmp_path):
-    token_file = tmp_path / "tokens"
+@pytest.fixture(scope="module")
+def bearer_outcomes(certs, target, tokenizer, tmp_path_factory):
+    """({attempt: status code}, health status) from one coordinator with a token file: requests
+    with no, a wrong and a listed token; the file rotated in place; old and new tokens after;
+    then a health check without a token."""
+    token_file = tmp_path_factory.mktemp("bearer") / "tokens"
     token_file.write_text("# tokens\nalpha\nbeta\n")
 
     async def scenario():
@@ -150,12 +166,36 @@ def test_bearer_tokens_wrong_missing_rotated_and_health_without_token(certs, tar
         finally:
             await stop_all([coordinator, draft, target_server], servicer)
 
-    codes, health = run(scenario())
-    assert codes == {
-        "missing": grpc.StatusCode.UNAUTHENTICATED, "wrong": grpc.StatusCode.UNAUTHENTICATED,
-        "right": grpc.StatusCode.OK, "old after rotation": grpc.StatusCode.UNAUTHENTICATED,
-        "new after rotation": grpc.StatusCode.OK,
-    }
+    return run(scenario())
+
+
+def test_a_request_without_a_bearer_token_is_unauthenticated(bearer_outcomes):
+    codes, _ = bearer_outcomes
+    assert codes["missing"] == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_wrong_bearer_token_is_unauthenticated(bearer_outcomes):
+    codes, _ = bearer_outcomes
+    assert codes["wrong"] == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_listed_bearer_token_is_accepted(bearer_outcomes):
+    codes, _ = bearer_outcomes
+    assert codes["right"] == grpc.StatusCode.OK
+
+
+def test_a_token_rotated_out_of_the_file_is_unauthenticated_without_a_restart(bearer_outcomes):
+    codes, _ = bearer_outcomes
+    assert codes["old after rotation"] == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_token_rotated_into_the_file_is_accepted_without_a_restart(bearer_outcomes):
+    codes, _ = bearer_outcomes
+    assert codes["new after rotation"] == grpc.StatusCode.OK
+
+
+def test_health_is_served_without_a_bearer_token(bearer_outcomes):
+    _, health = bearer_outcomes
     assert health == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -272,12 +312,16 @@ def test_metrics_scraped_from_the_endpoint_match_the_requests_made(target, token
     assert after['specdec_worker_sessions{kind="target"}'] >= 0
 
 
-def test_cli_token_flag_env_and_failure_message(tmp_path, target, tokenizer):
+@pytest.fixture(scope="module")
+def cli_token_runs(tmp_path_factory, target, tokenizer) -> dict[str, subprocess.CompletedProcess]:
+    """`specdec generate` against one `specdec up --auth-token-file`: with a wrong token, none,
+    the right one by --token, and the right one by SPECDEC_TOKEN."""
     from tests.factories import save_model_dir
     from tests.test_cli import start_up
 
-    model_dir = save_model_dir(tmp_path / "model", target, tokenizer)
-    token_file = tmp_path / "tokens"
+    root = tmp_path_factory.mktemp("cli-token")
+    model_dir = save_model_dir(root / "model", target, tokenizer)
+    token_file = root / "tokens"
     token_file.write_text("s3cret\n")
     port = _free_port()
     proc, _ = start_up("--port", str(port), "--target", str(model_dir), "--draft", "ngram",
@@ -288,14 +332,32 @@ def test_cli_token_flag_env_and_failure_message(tmp_path, target, tokenizer):
                                    "--max-new-tokens", "4", "--json", *extra, "hi"], capture_output=True, text=True,
                                   timeout=120, env={**os.environ, **(env or {})})
 
-        wrong = generate("--token", "nope")
-        missing = generate()
-        flag = generate("--token", "s3cret")
-        env = generate(env={"SPECDEC_TOKEN": "s3cret"})
+        return {
+            "wrong": generate("--token", "nope"),
+            "missing": generate(),
+            "flag": generate("--token", "s3cret"),
+            "env": generate(env={"SPECDEC_TOKEN": "s3cret"}),
+        }
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_cli_fails_with_a_message_on_a_wrong_token(cli_token_runs):
+    wrong = cli_token_runs["wrong"]
     assert wrong.returncode != 0 and wrong.stderr.startswith("UNAUTHENTICATED: invalid bearer token")
+
+
+def test_cli_fails_with_a_message_on_a_missing_token(cli_token_runs):
+    missing = cli_token_runs["missing"]
     assert missing.returncode != 0 and missing.stderr.startswith("UNAUTHENTICATED: missing bearer token")
+
+
+def test_cli_sends_the_token_flag(cli_token_runs):
+    flag = cli_token_runs["flag"]
     assert flag.returncode == 0, flag.stderr
+
+
+def test_cli_sends_the_token_from_the_environment(cli_token_runs):
+    env = cli_token_runs["env"]
     assert env.returncode == 0, env.stderr

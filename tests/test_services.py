@@ -92,7 +92,9 @@ def test_streamed_text_is_the_decoded_tokens(target, tokenizer):
         assert result.text == tokenizer.decode(result.token_ids, skip_special_tokens=True)
 
 
-def test_generation_stops_at_eos_and_returns_it(target, tokenizer):
+@pytest.fixture(scope="module")
+def eos_run(target, tokenizer):
+    """(the target's free run, the token pretended to be its EOS, the served result with it)"""
     prompt = PROMPTS[0]
     free_run = reference_greedy(target, chat_ids(tokenizer, prompt), MAX_NEW)
     eos = free_run[7]  # pretend the 8th generated token is the model's EOS
@@ -105,7 +107,16 @@ def test_generation_stops_at_eos_and_returns_it(target, tokenizer):
         result = run(scenario())
     finally:
         target.generation_config.eos_token_id = tokenizer.eos_token_id
+    return free_run, eos, result
+
+
+def test_generation_stops_at_eos_with_eos_as_the_last_token(eos_run):
+    free_run, eos, result = eos_run
     assert result.token_ids == free_run[:free_run.index(eos) + 1]
+
+
+def test_generation_stopped_at_eos_reports_finish_reason_eos(eos_run):
+    _, _, result = eos_run
     assert result.finish_reason == "FINISH_REASON_EOS"
 
 
@@ -245,7 +256,10 @@ def build_bad(fields: dict):
     return request
 
 
-def test_bad_input_gets_invalid_argument_and_service_stays_up(target, tokenizer):
+@pytest.fixture(scope="module")
+def bad_input_outcomes(target, tokenizer):
+    """({name: (status code, details)} for each of BAD_REQUESTS, a good request's result after
+    them all), from one stack."""
     async def scenario():
         outcomes = {}
         async with running_stack(target, tokenizer, draft=NGRAM) as stack:
@@ -257,10 +271,23 @@ def test_bad_input_gets_invalid_argument_and_service_stays_up(target, tokenizer)
                 good = await client.complete(make_request(PROMPTS[0], max_new_tokens=MAX_NEW))
         return outcomes, good
 
-    outcomes, good = run(scenario())
-    for name, (code, details) in outcomes.items():
-        assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, code, details)
-        assert BAD_REQUESTS[name][1] in details, (name, details)
+    return run(scenario())
+
+
+@pytest.mark.parametrize("name", BAD_REQUESTS)
+def test_bad_input_gets_invalid_argument(bad_input_outcomes, name):
+    code, details = bad_input_outcomes[0][name]
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, (name, code, details)
+
+
+@pytest.mark.parametrize("name", BAD_REQUESTS)
+def test_bad_input_refusal_names_the_offending_field(bad_input_outcomes, name):
+    _, details = bad_input_outcomes[0][name]
+    assert BAD_REQUESTS[name][1] in details, (name, details)
+
+
+def test_service_stays_up_after_bad_input(bad_input_outcomes, target, tokenizer):
+    _, good = bad_input_outcomes
     assert good.token_ids == reference_greedy(target, chat_ids(tokenizer, PROMPTS[0]), MAX_NEW)
 
 
@@ -296,7 +323,10 @@ def test_finished_request_frees_worker_sessions(target, other_draft, tokenizer):
     assert run(scenario()) == (0, 0)
 
 
-def test_health_and_reflection_are_served(target, tokenizer):
+@pytest.fixture(scope="module")
+def health_and_reflection(target, tokenizer):
+    """({(server, service): health status}, {server: services listed by reflection}) for the
+    coordinator, target and draft of one stack."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -316,16 +346,30 @@ def test_health_and_reflection_are_served(target, tokenizer):
                         listed[name] = {s.name for s in reply.list_services_response.service}
             return statuses, listed
 
-    statuses, listed = run(scenario())
+    return run(scenario())
+
+
+def test_health_reports_every_service_serving(health_and_reflection):
+    statuses, _ = health_and_reflection
     assert set(statuses.values()) == {1}  # SERVING
-    assert "specdec.v1.Coordinator" in listed["coordinator"]
-    assert "specdec.v1.TargetWorker" in listed["target"] and "specdec.v1.DraftWorker" in listed["draft"]
+
+
+@pytest.mark.parametrize(("server", "service"), [("coordinator", "specdec.v1.Coordinator"),
+                                                 ("target", "specdec.v1.TargetWorker"),
+                                                 ("draft", "specdec.v1.DraftWorker")])
+def test_reflection_lists_the_servers_specdec_service(health_and_reflection, server, service):
+    _, listed = health_and_reflection
+    assert service in listed[server]
+
+
+def test_reflection_lists_the_health_service_on_every_server(health_and_reflection):
+    _, listed = health_and_reflection
     assert all("grpc.health.v1.Health" in names for names in listed.values())
 
 
-def test_graceful_stop_finishes_in_flight_request_and_reports_not_serving(target, other_draft, tokenizer):
-    from grpc_health.v1 import health_pb2
-
+@pytest.fixture(scope="module")
+def graceful_stop(target, other_draft, tokenizer):
+    """(the coordinator's health status while stopping, the in-flight request's result)"""
     async def scenario():
         async with running_stack(target, tokenizer, draft=other_draft) as stack:
             gate = Gate(stack.target_servicer.verifier.verify_batch, at_call=3)
@@ -341,8 +385,18 @@ def test_graceful_stop_finishes_in_flight_request_and_reports_not_serving(target
                 await stopping
                 return status, result
 
-    status, result = run(scenario())
+    return run(scenario())
+
+
+def test_graceful_stop_reports_not_serving(graceful_stop):
+    from grpc_health.v1 import health_pb2
+
+    status, _ = graceful_stop
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_graceful_stop_finishes_the_in_flight_request(graceful_stop, target, tokenizer):
+    _, result = graceful_stop
     assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, PROMPTS[0]), MAX_NEW)
 
 

@@ -77,7 +77,7 @@ def test_the_shipped_distilled_draft_changes_speed_only(smollm2):
 
 
 def test_the_shipped_eagle_head_changes_speed_only(smollm2):
-    """drafts/smollm2-135m-eagle (a feature-level head trained by `specdec distill --kind
+    """specdec/drafts/smollm2-135m-eagle (a feature-level head trained by `specdec distill --kind
     eagle`) through the services, reading SmolLM2's hidden states: the output is the
     target's alone, and most of its draft tokens are accepted."""
     from pathlib import Path
@@ -85,7 +85,7 @@ def test_the_shipped_eagle_head_changes_speed_only(smollm2):
     from specdec import eagle
 
     model, tokenizer = smollm2
-    head = eagle.load(Path(__file__).resolve().parents[1] / "drafts" / "smollm2-135m-eagle", target=model)
+    head = eagle.load("smollm2-135m-eagle", target=model)
 
     async def scenario():
         async with running_stack(model, tokenizer, draft=head) as stack:
@@ -105,9 +105,9 @@ def test_the_shipped_eagle_head_changes_speed_only(smollm2):
 
 @pytest.mark.parametrize("name", [None, "smollm2-135m-eagle3"], ids=["default", "eagle3"])
 def test_the_committed_heads_on_the_target_worker_change_speed_only(smollm2, name):
-    """The default draft of `specdec up` for SmolLM2 (drafts/smollm2-135m-eagle90, a head that
+    """The default draft of `specdec up` for SmolLM2 (specdec/drafts/smollm2-135m-eagle90, a head that
     also reads two of SmolLM2's middle layers, trained within 90 minutes all in), and the
-    158-minute one (drafts/smollm2-135m-eagle3), run by the target worker as `specdec up` runs them: the
+    158-minute one (specdec/drafts/smollm2-135m-eagle3), run by the target worker as `specdec up` runs them: the
     output is the target's alone, most draft tokens are accepted, and the head's alternatives
     (tree leaves) are taken on real prompts."""
     from specdec import eagle, models

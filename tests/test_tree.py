@@ -13,7 +13,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from specdec.train import distill
+from specdec.train.teacher import chat_ids
 from specdec.client import Client, make_request
 from specdec.runtime.load import serving_lm
 from specdec.runtime.tree import check_tree
@@ -111,7 +111,7 @@ def oracle(head, target, tokenizer, prompts, wrong_at: int = 1, answer=None):
     answer = answer or (lambda ids, n: reference_greedy(target, ids, n))
     answers = []
     for text in prompts:
-        ids = distill.chat_ids(tokenizer, text)
+        ids = chat_ids(tokenizer, text)
         answers.append(ids + answer(ids, MAX_NEW + 4))
     original = head.drafter.propose_tree
     vocab = target.config.vocab_size
@@ -156,7 +156,7 @@ def test_alternatives_the_target_chose_are_committed_and_output_is_the_targets(t
     after = REGISTRY.get_sample_value("specdec_alternative_tokens_total")
     assert after - before == sum(r.stats["alternative_tokens"] for r in results)
     for text, result in zip(PROMPTS, results):
-        assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
+        assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, text), MAX_NEW), text
         stats = result.stats
         # Rounds on the oracle's drafts commit 1 chain token, the alternative and the token after it.
         assert stats["alternative_tokens"] >= 2 * 3, stats
@@ -184,7 +184,7 @@ def test_sampled_alternatives_that_are_the_targets_draw_are_committed_and_output
     results, calls = run(scenario())
     assert calls
     for text, result in zip(PROMPTS, results):
-        assert result.token_ids == sample(distill.chat_ids(tokenizer, text), MAX_NEW), text
+        assert result.token_ids == sample(chat_ids(tokenizer, text), MAX_NEW), text
         assert result.stats["alternative_tokens"] >= 2 * 3, result.stats
         assert result.stats["tokens_per_round"] > 2.5, result.stats
 
@@ -213,7 +213,7 @@ def test_a_random_heads_own_alternatives_leave_the_output_alone(target, tokenize
 
     results, proposed = run(scenario())
     for text, result in zip(PROMPTS, results):
-        assert result.token_ids == reference_greedy(target, distill.chat_ids(tokenizer, text), MAX_NEW), text
+        assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, text), MAX_NEW), text
     chains = [(chain, alternatives) for chain, alternatives in proposed if chain]
     assert chains
     if min_alt_prob == 0.0:

@@ -24,13 +24,19 @@ class TestSessionStore:
         assert isinstance(synced, SyncedContext)
         assert synced.context == [1, 2, 3] and synced.reusable == 0
 
-    def test_delta_reuses_cached_prefix_and_accepted_drafts(self):
+    @staticmethod
+    def sync_after_partly_accepted_drafts() -> SyncedContext:
         store = make_store()
         synced = store.sync("s", 0, [1, 2, 3])
         synced.session.ids = [1, 2, 3, 7, 8, 9]  # the worker fed drafts 7 8 9
-        synced = store.sync("s", 3, [7, 8, 5])  # the target accepted 7 8, then chose 5
-        assert synced.context == [1, 2, 3, 7, 8, 5]
-        assert synced.reusable == 5
+        return store.sync("s", 3, [7, 8, 5])  # the target accepted 7 8, then chose 5
+
+    def test_delta_replaces_the_rejected_draft_in_the_context(self):
+        assert self.sync_after_partly_accepted_drafts().context == [1, 2, 3, 7, 8, 5]
+
+    def test_delta_reuses_the_cache_up_to_the_first_rejected_draft(self):
+        # The cached prefix (3) and the accepted drafts (2) are reused.
+        assert self.sync_after_partly_accepted_drafts().reusable == 5
 
     def test_start_beyond_committed_asks_resync_from_what_is_held(self):
         store = make_store()
@@ -135,17 +141,37 @@ class TestAdaptiveK:
             adaptive.update(ks[-1], ks[-1] // 2)
         assert min(ks) >= 3
 
-    def test_rejections_pause_drafting_and_failed_probes_back_off(self):
-        from coordinator.adaptive import MAX_PROBE_EVERY, PROBE_EVERY, PROBE_K, AdaptiveK
+    @staticmethod
+    def ks_when_every_draft_is_rejected() -> list[int]:
+        from coordinator.adaptive import AdaptiveK
 
         adaptive = AdaptiveK(k_max=4)
         ks = []
         for _ in range(80):
             ks.append(adaptive.next_k())
             adaptive.update(ks[-1], 0)
+        return ks
+
+    @classmethod
+    def probes_after_the_first_pause(cls) -> tuple[list[int], list[int]]:
+        """(every k, the rounds that drafted after drafting first paused)"""
+        ks = cls.ks_when_every_draft_is_rejected()
         first_pause = ks.index(0)
-        probes = [i for i, k in enumerate(ks) if i > first_pause and k > 0]
-        assert all(ks[i] == PROBE_K for i in probes)
+        return ks, [i for i, k in enumerate(ks) if i > first_pause and k > 0]
+
+    def test_rejections_pause_drafting(self):
+        assert 0 in self.ks_when_every_draft_is_rejected()
+
+    def test_probes_while_paused_draft_probe_k_tokens(self):
+        from coordinator.adaptive import PROBE_K
+
+        ks, probes = self.probes_after_the_first_pause()
+        assert probes and all(ks[i] == PROBE_K for i in probes)
+
+    def test_failed_probes_back_off_up_to_the_maximum_gap(self):
+        from coordinator.adaptive import MAX_PROBE_EVERY, PROBE_EVERY
+
+        _, probes = self.probes_after_the_first_pause()
         gaps = [b - a for a, b in zip(probes, probes[1:])]
         assert gaps[0] == 2 * PROBE_EVERY and gaps == sorted(gaps) and gaps[-1] == MAX_PROBE_EVERY
 

@@ -16,7 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = BenchConfig()
     parser.add_argument("--target", default=defaults.target, help="target model spec (default %(default)s)")
     parser.add_argument("--draft", default=None,
-                        help="also bench a draft model sharing the target's tokenizer (n-gram always runs)")
+                        help="the drafter to bench beside n-gram: a draft model or head sharing the target's "
+                             "tokenizer (default: what `specdec up` runs for the target, e.g. smollm2-135m-eagle90 "
+                             "for smollm2-135m); 'ngram': n-gram only")
     parser.add_argument("--k", type=int, default=defaults.k, help="draft tokens per round (default %(default)s)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help=f"tokens per prompt (default {defaults.max_new_tokens}; {QUICK_MAX_NEW_TOKENS} "
@@ -38,10 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    # Imported here: models loads torch, and `specdec --help` builds this parser without it.
+    from specdec.models import NGRAM, default_draft
+
     defaults = BenchConfig()
     quick = bool(args.quick)
+    draft = args.draft if args.draft is not None else default_draft(args.target)
     return BenchConfig(
-        target=args.target, draft=args.draft, k=args.k,
+        target=args.target, draft=None if draft == NGRAM else draft, k=args.k,
         max_new_tokens=args.max_new_tokens or (QUICK_MAX_NEW_TOKENS if quick else defaults.max_new_tokens),
         repeats=args.repeats or (1 if quick else defaults.repeats), threads=args.threads, quick=quick,
         fast_peers=not args.no_fast_peers, out_dir=args.out, name=args.name,

@@ -16,7 +16,8 @@ class BenchConfig:
     target: str = "smollm2-135m"
     """Target model spec (as `specdec up --target`)."""
     draft: str | None = None
-    """A draft model spec sharing the target's tokenizer; n-gram always runs."""
+    """A draft model or head spec sharing the target's tokenizer (the CLI defaults it to the drafter
+    `specdec up` runs); n-gram always runs."""
     k: int = 4
     """Draft tokens per round asked of every drafter (prompt_lookup_num_tokens, num_assistant_tokens, k)."""
     max_new_tokens: int = 128

@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_arguments(commands.add_parser("bench", help="measure specdec against HF generate() and assisted "
                                                           "generation"))
-    from specdec.train.distill import add_arguments as add_distill_arguments
+    from specdec.train.cli import add_arguments as add_distill_arguments
 
     add_distill_arguments(commands.add_parser("distill", help="train a draft for a target by self-distillation"))
     certs.add_arguments(commands.add_parser("certs", help="make a development CA, server and client certificates"))
@@ -46,7 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_distill(args, argv: list[str] | None) -> int:
-    from specdec.train.distill import config_from_args, run
+    from specdec.train.cli import config_from_args
+    from specdec.train.pipeline import run
 
     run(config_from_args(args, argv if argv is not None else sys.argv[1:]))
     return 0

@@ -46,15 +46,12 @@ def fast_cpu_head(head: EagleHead, dtype: torch.dtype | None = None) -> EagleHea
     whose eight linears and draft-vocabulary LM head are packed oneDNN weights, bfloat16
     where the CPU has native bfloat16 dot products (AVX512-BF16/AMX), else fp32.
 
-    A head step is a handful of one-row matrix-vector products, bound by reading weights: on
-    the 2-core EPYC of DESIGN.md a step of the shipped SmolLM2 head measured 3.0 ms through
-    the stock fp32 path (c = 0.10 of a target step), 1.3 ms packed fp32, 0.9 ms packed
-    bfloat16 (c = 0.031); the 8192×576 LM head alone 0.45 ms stock, 0.075 ms packed bf16
-    (`benchmarks/head_step.py`, results/head_step.json). bfloat16 rounds the head's
-    activations, so a draft can differ from the fp32 head's at a near-tie (held-out: the
-    first draft's right/wrong agreed at 99.3% of positions); the target decides every token,
-    so only the acceptance can move. Heads not on CPU, or a torch without oneDNN, are
-    returned as they are."""
+    A head step is a handful of one-row matrix-vector products, bound by reading weights, so
+    packed weights make it cheaper than the stock fp32 path, and packed bfloat16 weights
+    several times cheaper (`benchmarks/head_step.py`; figures in benchmarks/results/NOTES.md).
+    bfloat16 rounds the head's activations, so a draft can differ from the fp32 head's at a
+    near-tie; the target decides every token, so only the acceptance can move. Heads not on
+    CPU, or a torch without oneDNN, are returned as they are."""
     dtype = dtype or fast_cpu_dtype()
     if dtype is None or head.fc.weight.device.type != "cpu":
         return head
@@ -68,7 +65,7 @@ def fast_cpu_head(head: EagleHead, dtype: torch.dtype | None = None) -> EagleHea
 
 
 # Row counts run once when a packed head is made: oneDNN compiles a kernel the first time it
-# sees a shape (~2 ms a step here), and a round feeds as many rows as were committed since the
+# sees a shape (a slow first step), and a round feeds as many rows as were committed since the
 # head last drafted.
 WARM_ROWS = 64
 

@@ -22,12 +22,11 @@ The head still takes in every committed token, so it is ready for the next round
 Stopping early: the chain ends where the head's own probability that the whole chain so far
 is right (the product of its top-token probabilities over the draft vocabulary) falls below
 `min_chain_prob`. A draft token costs a verification row whether or not it is accepted, and
-the head's confidence is well calibrated (held-out SmolLM2 chains: top-1 right 0.18 of the
-time at p 0.1–0.2, 0.63 at 0.5–0.6, 0.98 above 0.9), so a block cut where its expected value
-drops below a row's cost gives more tokens per unit of work than any fixed k — EAGLE-2's
-observation (Li et al. 2024, arXiv:2406.16858) applied to a chain. On the held-out chains a
-cut at 0.15 raised accepted/proposed from 0.27 to 0.49 at k ≤ 4 for 6% fewer tokens per
-round (`benchmarks/head_step.py`).
+the head's confidence is well calibrated on held-out chains, so a block cut where its
+expected value drops below a row's cost gives more tokens per unit of work than any fixed k
+— EAGLE-2's observation (Li et al. 2024, arXiv:2406.16858) applied to a chain; the default
+cut (MIN_CHAIN_PROB) raises accepted/proposed for slightly fewer tokens per round
+(`benchmarks/head_step.py`; figures in benchmarks/results/NOTES.md).
 
 Alternatives (the head next to the target only): at each depth of the chain, the head's
 second choice is also proposed when its probability of being right (the chain's so far
@@ -36,8 +35,9 @@ as a leaf of a tree in the same verification pass (it branches off the chain at 
 specdec.runtime.tree's blocks): when the chain is rejected at a depth whose alternative is
 the target's own choice there, the target's token after the alternative is committed too.
 The head's top-2 come from the softmax it computes anyway, so alternatives cost
-verification rows but no head steps; on held-out SmolLM2 chains they raise tokens per round
-from 2.08 to 2.26 for 1.3 more rows per round at 0.05 (`benchmarks/head_step.py`)."""
+verification rows but no head steps, and at the default threshold (MIN_ALT_PROB) they raise
+tokens per round at the price of extra rows (`benchmarks/head_step.py`; figures in
+benchmarks/results/NOTES.md)."""
 
 from __future__ import annotations
 

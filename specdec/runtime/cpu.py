@@ -1,13 +1,13 @@
 """The fast CPU path for serving: what makes a (k + 1)-token verification cost little more
 than a 1-token step on CPU, which is the ratio speculation lives on.
 
-Measured on the 2-core AMD EPYC of DESIGN.md (SmolLM2-135M fp32, 2 threads, 200-token
-context), a forward pass over n new tokens relative to n = 1 is 1.5–2× at n = 5 on the stock
-MKL path: MKL's fp32 GEMM for a handful of rows is slow on this CPU (the 49152×576 output
-layer measured several times slower at 5 rows than at 1). oneDNN's packed-weight linear
-(`mkldnn._reorder_linear_weight` once, `mkldnn._linear_pointwise` per call) is as fast at 1
-row and nearly flat in rows. Three things are done, each exact in intent and each checked
-token for token against the plain model by the tests (tests/test_cpu_fast.py):
+On the stock MKL path a forward pass over a handful of new tokens costs markedly more than
+a 1-token step on a small CPU: MKL's fp32 GEMM for a handful of rows is slow there, the large
+output layer most of all. oneDNN's packed-weight linear (`mkldnn._reorder_linear_weight`
+once, `mkldnn._linear_pointwise` per call) is as fast at 1 row and nearly flat in rows
+(figures in benchmarks/results/NOTES.md). Three things are
+done, each exact in intent and each checked token for token against the plain model by the
+tests (tests/test_runtime_cpu.py):
 
 1. every `nn.Linear` becomes a `PackedLinear` (oneDNN blocked weights, fp32 in and out);
 2. grouped-query attention runs inside SDPA (`enable_gqa=True`) instead of copying the keys
@@ -18,12 +18,12 @@ token for token against the plain model by the tests (tests/test_cpu_fast.py):
    `torch.cat`-ing the whole context onto itself every step.
 
 Packed linears do change float rounding (a different GEMM kernel sums in a different order):
-SmolLM2-135M logits move by a few 1e-6 of the largest logit, the same order as MKL's own
-difference between a batched and a step-by-step forward; a greedy choice can only flip at a
-near-exact tie, and `serving_lm` checks the copy against the plain model at load time.
-`torch.compile` is not used (not tried): a 1-token step is bound by reading the fp32 weights
-(~540 MB per step; ~21 ms here, ~25 GB/s), which leaves little for fusing the small ops to win
-against a recompile per context length. `benchmarks/cpu_fast_path.py` measures each stage.
+logits move by float32 rounding, the same order as MKL's own difference between a batched and
+a step-by-step forward; a greedy choice can only flip at a near-exact tie, and `serving_lm`
+checks the copy against the plain model at load time.
+`torch.compile` is not used (not tried): a 1-token step is bound by reading the fp32 weights,
+which leaves little for fusing the small ops to win against a recompile per context length.
+`benchmarks/cpu_fast_path.py` measures each stage.
 
 `fast_cpu_model` never modifies the model it is given: it returns a copy whose modules are
 new objects sharing the original's parameters, except that linear weights are held only in
@@ -65,8 +65,8 @@ class PackedLinear(torch.nn.Module):
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        # The batch-size hint picks the blocking; None packs for any number of rows, which
-        # measured as fast as a hint of 1 at 1 row and faster at 5–9 rows.
+        # The batch-size hint picks the blocking; None packs for any number of rows: no slower
+        # than a hint of 1 at one row, faster at a verification's few rows.
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)

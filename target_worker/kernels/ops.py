@@ -46,6 +46,7 @@ def greedy_verify(
     draft_tokens = draft_tokens.to(torch.int64).contiguous()
     num_draft = num_draft.to(device=logits.device, dtype=torch.int64).contiguous()
     if _use_triton(logits):
+        # Lazy: the kernel module imports triton, which CPU-only workers need not have.
         from target_worker.kernels.greedy_verify import greedy_verify_triton
 
         return greedy_verify_triton(logits, draft_tokens, num_draft)
@@ -70,8 +71,9 @@ def rejection_sample(
     are accepted while they equal those draws, and next_token is the draw at the first stop
     (u_accept is not read; see rejection_sample.py for why both are exact).
 
-    For DESIGN.md principle 2, column i of both uniforms belongs to the absolute position of
-    output token i, as ``specdec.philox.round_uniforms(seeds, first_positions, k)`` builds them.
+    So that randomness depends on (request seed, position) alone, column i of both uniforms
+    belongs to the absolute position of output token i, as
+    ``specdec.philox.round_uniforms(seeds, first_positions, k)`` builds them.
     """
     target_probs = target_probs.contiguous()
     device = target_probs.device
@@ -82,6 +84,7 @@ def rejection_sample(
     u_accept = u_accept.to(device=device, dtype=torch.float64).contiguous()
     u_sample = u_sample.to(device=device, dtype=torch.float64).contiguous()
     if _use_triton(target_probs):
+        # Lazy: the kernel module imports triton, which CPU-only workers need not have.
         from target_worker.kernels.rejection_sample import rejection_sample_triton
 
         return rejection_sample_triton(
@@ -137,6 +140,7 @@ def warp_probs(
     if temperature.device.type == "cpu":
         assert bool((temperature > 0).all()), "temperature 0 is greedy: the caller's path"
     if _use_triton(logits):
+        # Lazy: the kernel module imports triton, which CPU-only workers need not have.
         from target_worker.kernels.warp import warp_probs_triton
 
         probs = warp_probs_triton(logits, temperature, top_k, top_p)
