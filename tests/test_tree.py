@@ -133,30 +133,39 @@ def oracle(head, target, tokenizer, prompts, wrong_at: int = 1, answer=None):
     return calls
 
 
-@pytest.mark.parametrize("options, target_options", [({}, {}), ({"batching": False}, {}),
-                                                      ({}, {"cpu_fast_path": False})],
-                         ids=["batched", "unbatched", "stock-attention"])
-def test_alternatives_the_target_chose_are_committed_and_output_is_the_targets(target, tokenizer, options,
-                                                                                target_options):
+@pytest.fixture(scope="module", params=[({}, {}), ({"batching": False}, {}), ({}, {"cpu_fast_path": False})],
+                ids=["batched", "unbatched", "stock-attention"])
+def greedy_oracle_run(request, target, tokenizer):
+    """Greedy requests whose blocks the oracle head makes wrong at one depth, with the right
+    token as that depth's alternative: (results, oracle calls, counter delta, packed forward on)."""
+    options, target_options = request.param
+
     async def scenario():
         async with running_stack(target, tokenizer, target_head=make_head(target),
                                  target_options={**ALWAYS, **target_options}, **options) as stack:
-            assert stack.target_servicer.verifier.lm.batches_in_one_pass == (TEST_DEVICE == "cpu"
-                                                                             and not target_options)
+            packed = stack.target_servicer.verifier.lm.batches_in_one_pass
             calls = oracle(stack.target_servicer.verifier.head, target, tokenizer, PROMPTS)
             async with Client(stack.address) as client:
                 concurrent = await asyncio.gather(*[client.complete(make_request(p, max_new_tokens=MAX_NEW, k=4))
                                                     for p in PROMPTS])
-            return concurrent, calls
+            return concurrent, calls, packed
 
     before = REGISTRY.get_sample_value("specdec_alternative_tokens_total") or 0.0
-    results, calls = run(scenario())
-    assert calls
-    # Operators see them too: the coordinator's counter moved by what the requests report.
+    results, calls, packed = run(scenario())
     after = REGISTRY.get_sample_value("specdec_alternative_tokens_total")
-    assert after - before == sum(r.stats["alternative_tokens"] for r in results)
+    return results, calls, after - before, packed == (TEST_DEVICE == "cpu" and not target_options)
+
+
+def test_greedy_output_with_alternatives_is_the_targets(greedy_oracle_run, target, tokenizer):
+    results, calls, _, _ = greedy_oracle_run
+    assert calls
     for text, result in zip(PROMPTS, results):
         assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, text), MAX_NEW), text
+
+
+def test_alternatives_the_target_chose_are_committed(greedy_oracle_run):
+    results, _, _, _ = greedy_oracle_run
+    for result in results:
         stats = result.stats
         # Rounds on the oracle's drafts commit 1 chain token, the alternative and the token after it.
         assert stats["alternative_tokens"] >= 2 * 3, stats
@@ -165,9 +174,19 @@ def test_alternatives_the_target_chose_are_committed_and_output_is_the_targets(t
         assert stats["accepted"] < stats["proposed"]
 
 
-def test_sampled_alternatives_that_are_the_targets_draw_are_committed_and_output_is_its_sampling(target, tokenizer):
-    # The target's own seeded draws (reference_sample) are what the oracle's alternatives name:
-    # its draw at the cut is the alternative, and the draw after it comes from the leaf.
+def test_the_alternative_tokens_counter_moves_by_what_requests_report(greedy_oracle_run):
+    results, _, moved, _ = greedy_oracle_run
+    assert moved == sum(r.stats["alternative_tokens"] for r in results)
+
+
+def test_the_packed_forward_runs_exactly_where_expected(greedy_oracle_run):
+    assert greedy_oracle_run[3]
+
+
+@pytest.fixture(scope="module")
+def sampled_oracle_run(target, tokenizer):
+    """Seeded sampled requests whose alternatives name the target's own draws: its draw at the
+    cut is the alternative, and the draw after it comes from the leaf."""
     params = dict(temperature=0.9, top_p=0.95, seed=7)
 
     def sample(ids, n):
@@ -182,9 +201,19 @@ def test_sampled_alternatives_that_are_the_targets_draw_are_committed_and_output
             return results, calls
 
     results, calls = run(scenario())
+    return results, calls, sample
+
+
+def test_sampled_output_with_alternatives_is_the_targets_sampling(sampled_oracle_run, tokenizer):
+    results, calls, sample = sampled_oracle_run
     assert calls
     for text, result in zip(PROMPTS, results):
         assert result.token_ids == sample(chat_ids(tokenizer, text), MAX_NEW), text
+
+
+def test_sampled_alternatives_that_are_the_targets_draw_are_committed(sampled_oracle_run):
+    results, _, _ = sampled_oracle_run
+    for result in results:
         assert result.stats["alternative_tokens"] >= 2 * 3, result.stats
         assert result.stats["tokens_per_round"] > 2.5, result.stats
 
