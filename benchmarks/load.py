@@ -5,6 +5,7 @@ measured side by side in one run (this machine is shared and noisy).
     python benchmarks/load.py                       # SmolLM2-135M + n-gram, ~10 min on 2 cores
     python benchmarks/load.py --quick               # 1 and 4 clients, one repeat
     python benchmarks/load.py --unbatched           # also `specdec up --no-batching` (before/after)
+    python benchmarks/load.py --http                # the APIs side by side: gRPC, HTTP (openai SDK), HTTP (aiperf)
 
 One `specdec up` process (coordinator, target and draft workers, mTLS links, exactly as users
 run it) serves every measurement; speculation is switched per request (`disable_speculation`
@@ -20,6 +21,17 @@ of g/m — speculation delivers tokens in bursts). Every run's tokens are checke
 the speculation-off tokens of the same request (greedy: the target alone).
 
 Prints the JSON report (also written to --out/load.json, with load.md).
+
+--http compares the two front doors of one `specdec up` instead, speculation on, greedy, the
+same prompts in the same order at each concurrency (`--requests-per-client` × clients
+requests, `clients` in flight): specdec's gRPC client, the OpenAI-compatible HTTP API driven
+by the official `openai` SDK from this process, and the HTTP API driven by NVIDIA's aiperf
+(specdec.bench.aiperf; --aiperf names its executable); and a mixed run, half the clients
+on gRPC and half on HTTP at the same time, so both see the same load and their TTFTs compare
+within one run. The runs alternate within each repeat; TTFT p50 pools every request of every
+repeat. gRPC and SDK outputs are checked equal token for token; the report states the HTTP
+API's cost as tokens/s ratios and time-to-first-token differences against gRPC (written to
+--out/load-http.json and load-http.md).
 """
 
 from __future__ import annotations
@@ -166,6 +178,218 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# --- the APIs side by side (--http) ---------------------------------------------------
+
+async def queue_run(send, prompts: list[str], concurrency: int) -> dict:
+    """Every prompt once, `concurrency` in flight: `send(prompt)` streams one request and
+    yields lists of new token ids as they arrive. `send` may be a list: client i then uses
+    send[i % len(send)], and the TTFTs are also reported per sender ("ttfts_by_sender")."""
+    senders = send if isinstance(send, list) else [send]
+    results: list[dict | None] = [None] * len(prompts)
+    next_index = 0
+
+    async def worker(client: int) -> None:
+        nonlocal next_index
+        send = senders[client % len(senders)]
+        while next_index < len(prompts):
+            index, next_index = next_index, next_index + 1
+            began = time.perf_counter()
+            ttft, last, gaps, tokens = None, None, [], []
+            async for ids in send(prompts[index]):
+                now = time.perf_counter()
+                if not ids:
+                    continue
+                if ttft is None:
+                    ttft = now - began
+                elif last is not None:
+                    gaps.extend([(now - last) / len(ids)] * len(ids))
+                last = now
+                tokens.extend(ids)
+            results[index] = {"tokens": tokens, "ttft_s": ttft or 0.0, "gaps": gaps, "end": time.perf_counter(),
+                              "sender": client % len(senders)}
+
+    began = time.perf_counter()
+    await asyncio.gather(*(worker(client) for client in range(concurrency)))
+    wall = max(r["end"] for r in results) - began
+    tokens = sum(len(r["tokens"]) for r in results)
+    gaps = [g for r in results for g in r["gaps"]]
+    ttfts = [r["ttft_s"] for r in results]
+    return {"requests": len(results), "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "ttft_p50_ms": 1e3 * percentile(ttfts, 50), "ttft_avg_ms": 1e3 * statistics.fmean(ttfts),
+            "itl_p50_ms": 1e3 * percentile(gaps, 50), "outputs": [r["tokens"] for r in results],
+            "ttfts_ms": [1e3 * t for t in ttfts],
+            "ttfts_by_sender": [[1e3 * r["ttft_s"] for r in results if r["sender"] == i] for i in range(len(senders))]}
+
+
+def grpc_sender(client, max_new_tokens: int, k: int):
+    async def send(prompt: str):
+        async for response in client.stream(make_request(prompt, max_new_tokens=max_new_tokens, k=k),
+                                            wait_for_ready=True):
+            yield list(response.token_ids)
+
+    return send
+
+
+def sdk_sender(sdk, model: str, max_new_tokens: int):
+    async def send(prompt: str):
+        stream = await sdk.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_new_tokens, temperature=0,
+            stream=True, extra_body={"return_token_ids": True})
+        async for chunk in stream:
+            for choice in chunk.choices:
+                yield list(choice.model_extra.get("token_ids") or [])
+
+    return send
+
+
+def http_markdown(report: dict) -> str:
+    machine = report["machine"]
+    lines = [f"# The APIs under load — {machine.get('cpu_model', '')}, {machine.get('cpu_cores', '')} cores", "",
+             f"`{report['command']}`; target {report['config']['target']}, drafter {report['config']['draft']}, "
+             f"{report['config']['max_new_tokens']} new tokens per request, greedy, "
+             f"{report['config']['requests_per_client']} requests per client, medians of "
+             f"{report['config']['repeats']} alternating runs.", "",
+             "| clients | API (driver) | tokens/s | vs gRPC | TTFT p50 ms | Δ TTFT p50 ms | ITL p50 ms |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for clients, row in report["summary"].items():
+        for mode in HTTP_MODES:
+            if mode in row:
+                m = row[mode]
+                lines.append(f"| {clients} | {mode} | {m['tokens_per_s']:.1f} | {m.get('vs_grpc', 1.0):.3f} | "
+                             f"{m['ttft_p50_ms']:.1f} | {m.get('ttft_p50_delta_ms', 0.0):+.1f} | "
+                             f"{m['itl_p50_ms']:.1f} |")
+        if "mixed" in row:
+            m = row["mixed"]
+            lines.append(f"| {clients} | mixed (half gRPC, half SDK) | {m['tokens_per_s']:.1f} | | gRPC "
+                         f"{m['grpc_ttft_p50_ms']:.1f} / HTTP {m['http_ttft_p50_ms']:.1f} | "
+                         f"{m['ttft_p50_delta_ms']:+.1f} | |")
+    lines += ["", "| target | value | met |", "| --- | --- | --- |"]
+    lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'NO'} |" for t in report["targets"]]
+    lines += ["", f"gRPC and HTTP (openai SDK) outputs identical in every run: {report['identical']}."]
+    return "\n".join(lines) + "\n"
+
+
+HTTP_MODES = ("grpc", "http-sdk", "http-aiperf")
+TOKENS_PER_S_COST = 0.05  # the HTTP API may cost at most this share of gRPC's tokens/s
+TTFT_COST_MS = 10.0  # and at most this much time to first token
+
+
+def main_http(args, argv) -> int:
+    import openai
+
+    from specdec.bench import aiperf as aiperf_driver
+    from specdec.models import model_directory
+
+    aiperf = aiperf_driver.find(args.aiperf)
+    if aiperf is None and not args.no_aiperf:
+        raise SystemExit("aiperf not found: install it (python -m venv .aiperf && .aiperf/bin/pip install aiperf), "
+                         "name it with --aiperf, or pass --no-aiperf")
+    concurrencies = [1, 4] if args.quick else [int(c) for c in args.clients.split(",")]
+    repeats = 1 if args.quick else args.repeats
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    up = SpecdecUp(args.target, args.draft, args.k, args.threads, loop, http_port=free_port())
+    model = args.target
+    sdk = openai.AsyncOpenAI(base_url=up.http_url, api_key="none", max_retries=0, timeout=600)
+    senders = {"grpc": grpc_sender(up.client, args.max_new_tokens, args.k),
+               "http-sdk": sdk_sender(sdk, model, args.max_new_tokens)}
+    runs: list[dict] = []
+    try:
+        loop.run_until_complete(queue_run(senders["grpc"], [p.text for p in PROMPTS[:2]], 2))  # warm-up
+        loop.run_until_complete(queue_run(senders["http-sdk"], [p.text for p in PROMPTS[:2]], 2))
+        for clients in concurrencies:
+            prompts = [PROMPTS[i % len(PROMPTS)].text for i in range(clients * args.requests_per_client)]
+            for repeat in range(repeats):
+                order = [m for m in HTTP_MODES if m != "http-aiperf" or aiperf is not None]
+                if clients > 1:
+                    order.append("mixed")
+                if repeat % 2:
+                    order.reverse()
+                for mode in order:
+                    if mode == "http-aiperf":
+                        run = aiperf_driver.profile(aiperf, up.http_url, model, model_directory(args.target), prompts,
+                                                    args.max_new_tokens, clients, extra={"temperature": 0},
+                                                    niceness=args.aiperf_nice)
+                        run.pop("raw")
+                    elif mode == "mixed":  # half the clients on each API, at the same time
+                        run = loop.run_until_complete(queue_run([senders["grpc"], senders["http-sdk"]], prompts,
+                                                                clients))
+                    else:
+                        run = loop.run_until_complete(queue_run(senders[mode], prompts, clients))
+                    run.update(clients=clients, mode=mode)
+                    runs.append(run)
+                    print(f"{clients:>3} clients {mode:>11}: {run['tokens_per_s']:6.1f} tok/s, "
+                          f"TTFT p50 {run['ttft_p50_ms']:.1f} ms, ITL p50 {run['itl_p50_ms']:.1f} ms",
+                          file=sys.stderr, flush=True)
+    finally:
+        loop.run_until_complete(sdk.close())
+        up.close()
+    identical = all(a["outputs"] == b["outputs"] for a in runs for b in runs
+                    if a["clients"] == b["clients"] and "outputs" in a and "outputs" in b)
+    summary: dict = {}
+    for clients in concurrencies:
+        row: dict = {}
+        for mode in HTTP_MODES:
+            mine = [r for r in runs if r["clients"] == clients and r["mode"] == mode]
+            if mine:
+                row[mode] = {name: statistics.median(r[name] for r in mine)
+                             for name in ("tokens_per_s", "ttft_avg_ms", "itl_p50_ms")}
+                row[mode]["tokens_per_s_runs"] = [round(r["tokens_per_s"], 2) for r in mine]
+                # TTFT p50 over every request of every repeat (one run's p50 varies too much).
+                row[mode]["ttft_p50_ms"] = percentile([t for r in mine for t in r["ttfts_ms"]], 50)
+        mixed = [r for r in runs if r["clients"] == clients and r["mode"] == "mixed"]
+        if mixed:
+            grpc_ttfts = [t for r in mixed for t in r["ttfts_by_sender"][0]]
+            http_ttfts = [t for r in mixed for t in r["ttfts_by_sender"][1]]
+            row["mixed"] = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in mixed),
+                            "grpc_ttft_p50_ms": percentile(grpc_ttfts, 50),
+                            "http_ttft_p50_ms": percentile(http_ttfts, 50),
+                            "ttft_p50_delta_ms": percentile(http_ttfts, 50) - percentile(grpc_ttfts, 50)}
+        for mode in HTTP_MODES[1:]:
+            if mode in row:
+                row[mode]["vs_grpc"] = row[mode]["tokens_per_s"] / row["grpc"]["tokens_per_s"]
+                row[mode]["ttft_p50_delta_ms"] = row[mode]["ttft_p50_ms"] - row["grpc"]["ttft_p50_ms"]
+        summary[str(clients)] = row
+    targets_met = []
+    for clients, row in summary.items():
+        for mode in HTTP_MODES[1:]:
+            if mode in row:
+                targets_met.append({"target": f"{mode} tokens/s ≥ {1 - TOKENS_PER_S_COST:.0%} of gRPC at {clients} "
+                                              "clients", "value": round(row[mode]["vs_grpc"], 3),
+                                    "met": row[mode]["vs_grpc"] >= 1 - TOKENS_PER_S_COST})
+                targets_met.append({"target": f"{mode} TTFT p50 ≤ gRPC + {TTFT_COST_MS:g} ms at {clients} clients",
+                                    "value": round(row[mode]["ttft_p50_delta_ms"], 1),
+                                    "met": row[mode]["ttft_p50_delta_ms"] <= TTFT_COST_MS})
+        if "mixed" in row:
+            targets_met.append({"target": f"mixed run: HTTP (SDK) clients' TTFT p50 ≤ gRPC clients' + "
+                                          f"{TTFT_COST_MS:g} ms at {clients} clients",
+                                "value": round(row["mixed"]["ttft_p50_delta_ms"], 1),
+                                "met": row["mixed"]["ttft_p50_delta_ms"] <= TTFT_COST_MS})
+    report = {
+        "command": "python benchmarks/load.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": describe(args.threads),
+        "config": {"target": args.target, "draft": args.draft, "k": args.k, "clients": concurrencies,
+                   "requests_per_client": args.requests_per_client, "max_new_tokens": args.max_new_tokens,
+                   "repeats": repeats, "aiperf": aiperf, "aiperf_nice": args.aiperf_nice},
+        "summary": summary, "targets": targets_met, "identical": identical,
+        "runs": [{key: value for key, value in r.items() if key != "outputs"} for r in runs],
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "load-http.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "load-http.md").write_text(http_markdown(report))
+    print(json.dumps(report, indent=2))
+    return 0 if identical else 1
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2-135m")
@@ -179,8 +403,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unbatched", action="store_true",
                         help="also measure speculation off on `specdec up --no-batching` (no continuous batching)")
     parser.add_argument("--quick", action="store_true", help="1 and 4 clients, one repeat")
+    parser.add_argument("--http", action="store_true",
+                        help="compare the APIs instead: gRPC, HTTP via the openai SDK, HTTP via aiperf")
+    parser.add_argument("--aiperf", default=None, help="aiperf executable (default: .aiperf/bin/aiperf, else PATH)")
+    parser.add_argument("--no-aiperf", action="store_true", help="--http without aiperf (gRPC and the SDK only)")
+    parser.add_argument("--aiperf-nice", type=int, default=19,
+                        help="run aiperf at this niceness, so its processes take only the CPU the services leave "
+                             "(on a small machine they compete with the model for cores; default %(default)s)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
+    if args.http:
+        return main_http(args, argv)
     concurrencies = [1, 4] if args.quick else [int(c) for c in args.clients.split(",")]
     repeats = 1 if args.quick else args.repeats
 

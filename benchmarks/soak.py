@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         argvs = {
             "target": ["serve", "target", "--port", str(ports["target"]), "--model", models.target_spec, *common],
             "draft": ["serve", "draft", "--port", str(ports["draft"]), "--model", models.draft_spec, *common],
-            "coordinator": ["serve", "coordinator", "--port", str(ports["coordinator"]), *common,
+            "coordinator": ["serve", "coordinator", "--port", str(ports["coordinator"]), "--http-port", "0", *common,
                             "--target-addr", f"127.0.0.1:{ports['target']}",
                             "--draft-addr", f"127.0.0.1:{ports['draft']}",
                             "--tokenizer", models.target_spec, "--k", str(args.k)],

@@ -60,7 +60,7 @@ def main() -> int:
 
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    server = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--port", str(port), "--target", args.target,
+    server = subprocess.Popen([sys.executable, "-m", "specdec", "up", "--port", str(port), "--http-port", "0", "--target", args.target,
                                "--draft", args.draft, "--k", str(args.k)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True)
     try:

@@ -254,8 +254,11 @@ class RoundRunner:
         metrics.ACCEPTED_LENGTH.observe(verdict.accepted + 1)
         metrics.observe_round(len(drafts), verdict.accepted)
         metrics.GENERATED_TOKENS.inc(len(new))
+        metrics.vllm.round(len(drafts), verdict.accepted)
+        metrics.vllm.generation_tokens.inc(len(new))
         if gen.stats.rounds == 1:
             metrics.TTFT.observe(gen.stats.first_token_at - gen.stats.started)
+            metrics.vllm.ttft.observe(gen.stats.first_token_at - gen.stats.started)
 
     @staticmethod
     def _stream(gen: Generation, new: list[int]) -> str:

@@ -6,20 +6,22 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections import OrderedDict
+import math
+import time
+from collections.abc import AsyncIterator
 
 import grpc
-from asyncio_throttle import Throttler
 
+from coordinator.admission import Admission
+from coordinator.pool import resolve_dns
 from coordinator.rounds import RoundRunner
 from coordinator.validation import plan_request, render_prompt, request_id_of
-from coordinator.pool import resolve_dns
 from coordinator.workers import DraftClient, TargetClient, model_shape
 from specdec import logs, metrics
-from specdec.security.auth import AuthInterceptor, TokenSet, client_identity
 from specdec.config import CoordinatorConfig
 from specdec.errors import FailedPrecondition, ResourceExhausted, SpecdecError, Unavailable
 from specdec.models import load_tokenizer, vocab_hash
+from specdec.security.auth import AuthInterceptor, TokenSet, client_identity
 from specdec.serving import RunningServer, start_server
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec.worker_info import check_compatible
@@ -27,87 +29,61 @@ from specdec.worker_info import check_compatible
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
-RETRY_AFTER_S = 1
-MAX_TRACKED_CLIENTS = 10_000
 WORKER_STARTUP_TIMEOUT_S = 600.0
 DRAFT_STARTUP_TIMEOUT_S = 30.0
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    """Serves Generate. `generate` is the one path of every request, whichever front door
+    it came through (this gRPC servicer, or the HTTP API in coordinator.openai_api): the
+    same admission, limits, validation, logs and metrics."""
+
     def __init__(self, config: CoordinatorConfig, runner: RoundRunner, tokenizer,
-                 eos_ids: frozenset[int], max_context: int, vocab_size: int):
+                 eos_ids: frozenset[int], max_context: int, vocab_size: int, model_name: str = ""):
         self.config = config
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_context = max_context
         self.vocab_size = vocab_size
-        self.active = 0
-        self.per_client: dict[str, int] = {}
-        self.throttlers: OrderedDict[str, Throttler] = OrderedDict()
+        self.model_name = model_name
+        self.admission = Admission(config)
 
-    async def _throttle(self, client: str, context: grpc.aio.ServicerContext) -> None:
-        """Per-client request rate (asyncio-throttle): a short wait, then RESOURCE_EXHAUSTED."""
-        rate = self.config.rate_limit_per_client
-        if rate <= 0:
-            return
-        throttler = self.throttlers.get(client)
-        if throttler is None:
-            throttler = self.throttlers[client] = Throttler(rate_limit=max(1, int(rate)), period=max(1, int(rate)) / rate)
-            while len(self.throttlers) > MAX_TRACKED_CLIENTS:
-                self.throttlers.popitem(last=False)
-        self.throttlers.move_to_end(client)
-        try:
-            await asyncio.wait_for(throttler.acquire(), timeout=self.config.rate_limit_wait_s)
-        except asyncio.TimeoutError:
-            retry = max(1, round(1 / rate))
-            context.set_trailing_metadata((("retry-after-s", str(retry)),))
-            metrics.REQUESTS.labels("RESOURCE_EXHAUSTED").inc()
-            raise ResourceExhausted(f"this client exceeds {rate:g} requests/s; retry in {retry} s") from None
+    @property
+    def active(self) -> int:
+        """Requests being served now."""
+        return self.admission.active
 
-    def _admit(self, client: str, context: grpc.aio.ServicerContext) -> None:
-        """Backpressure: refuse (RESOURCE_EXHAUSTED, with a retry hint) beyond the limits."""
-        if self.active >= self.config.max_concurrent_requests:
-            limit = f"the coordinator serves {self.config.max_concurrent_requests} requests at once"
-        elif self.per_client.get(client, 0) >= self.config.max_streams_per_client:
-            limit = f"this client already holds {self.config.max_streams_per_client} streams"
-        else:
-            self.active += 1
-            self.per_client[client] = self.per_client.get(client, 0) + 1
-            return
-        context.set_trailing_metadata((("retry-after-s", str(RETRY_AFTER_S)),))
-        metrics.REQUESTS.labels("RESOURCE_EXHAUSTED").inc()
-        raise ResourceExhausted(f"{limit}; retry in {RETRY_AFTER_S} s")
+    def serving_targets(self) -> int:
+        """Target replicas that pass their health checks now."""
+        return len(self.runner.target.pool.healthy())
 
-    def _leave(self, client: str) -> None:
-        self.active -= 1
-        self.per_client[client] -= 1
-        if not self.per_client[client]:
-            del self.per_client[client]
-
-    async def Generate(self, request: coordinator_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext):
-        client = client_identity(context)
-        await self._throttle(client, context)
-        self._admit(client, context)
+    async def generate(self, request: coordinator_pb2.GenerateRequest, client: str, metadata_request_id: str = "",
+                       timeout_s: float | None = None) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
+        """Admits, validates and runs one request; yields its responses. `client` keys the
+        per-client limits; `timeout_s` (the caller's deadline) bounds every worker call."""
+        await self.admission.enter(client)
         metrics.COORDINATOR_ACTIVE.inc()
+        metrics.vllm.running.inc()
+        began = time.perf_counter()
         status = "OK"
         try:
-            request_id = request_id_of(request, logs.metadata_request_id(context.invocation_metadata()))
+            request_id = request_id_of(request, metadata_request_id)
             logs.request_id.set(request_id)
             prompt_ids = await asyncio.to_thread(render_prompt, request, self.tokenizer, self.vocab_size,
                                                  self.config.max_prompt_tokens)
             plan = plan_request(request, prompt_ids, self.config, self.eos_ids, self.max_context, request_id)
-            remaining = context.time_remaining()
-            if remaining is not None:  # the client's deadline bounds every worker call too
-                plan = dataclasses.replace(plan, deadline=asyncio.get_running_loop().time() + remaining)
+            if timeout_s is not None:  # the client's deadline bounds every worker call too
+                plan = dataclasses.replace(plan, deadline=asyncio.get_running_loop().time() + timeout_s)
             log.info("request admitted: %d prompt tokens, max_new_tokens %d, k %d, %s", len(prompt_ids),
                      plan.max_new_tokens, plan.k, "greedy" if plan.sampling.greedy else "sampling")
+            metrics.vllm.prompt_tokens.inc(len(prompt_ids))
             async for response in self.runner.run(plan):
                 if response.finish_reason:
                     log.info("request finished: %s, %d tokens, %d rounds, acceptance %.2f",
                              coordinator_pb2.FinishReason.Name(response.finish_reason),
                              response.stats.generated_tokens, response.stats.rounds, response.stats.acceptance_rate)
+                    metrics.vllm.finished(response.finish_reason, time.perf_counter() - began)
                 yield response
         except SpecdecError as exc:
             status = exc.code.name
@@ -122,9 +98,22 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             status = "INTERNAL"
             raise
         finally:
-            self._leave(client)
+            self.admission.leave(client)
             metrics.COORDINATOR_ACTIVE.dec()
+            metrics.vllm.running.dec()
             metrics.REQUESTS.labels(status).inc()
+
+    async def Generate(self, request: coordinator_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext):
+        try:
+            async for response in self.generate(request, client_identity(context),
+                                                logs.metadata_request_id(context.invocation_metadata()),
+                                                context.time_remaining()):
+                yield response
+        except ResourceExhausted as exc:
+            if exc.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after-s", str(math.ceil(exc.retry_after_s))),))
+            raise
 
 
 async def connect(config: CoordinatorConfig, tokenizer=None, startup_timeout_s: float = WORKER_STARTUP_TIMEOUT_S,
@@ -180,18 +169,47 @@ async def connect(config: CoordinatorConfig, tokenizer=None, startup_timeout_s: 
              f"head {target_info.head} (on the target worker)" if target_info.head else
              draft_info.model if draft_info else None, config.draft_addr)
     runner = RoundRunner(target, draft, tokenizer, target_info.model_vocab_size)
+    metrics.vllm.bind(config.served_model_name or target_info.model)
     return CoordinatorServicer(config, runner, tokenizer, frozenset(target_info.eos_token_ids),
-                               target_info.max_context, target_info.model_vocab_size)
+                               target_info.max_context, target_info.model_vocab_size, target_info.model)
 
 
 async def serve(config: CoordinatorConfig, servicer: CoordinatorServicer | None = None) -> RunningServer:
-    servicer = servicer or await connect(config)
+    """The coordinator's gRPC server and, when config.http_port is set, its HTTP API beside
+    it (coordinator.openai_api), both draining together on stop."""
+    http_socket = None
+    if config.http_port is not None:  # bound first: a busy port fails the start at once
+        from coordinator.openai_api.server import bind
+
+        http_socket = bind(config.server.host, config.http_port)
+    try:
+        servicer = servicer or await connect(config)
+    except BaseException:
+        if http_socket is not None:
+            http_socket.close()
+        raise
     tokens = TokenSet(config.auth_token_file, config.auth_tokens_env)
     if not tokens.enabled:
         log.warning("no --auth-token-file / SPECDEC_AUTH_TOKENS: the client API accepts every caller")
-    return await start_server(
+    running = await start_server(
         config.server,
         lambda server: coordinator_pb2_grpc.add_CoordinatorServicer_to_server(servicer, server),
         [SERVICE_NAME],
         interceptors=[AuthInterceptor(tokens)] if tokens.enabled else None,
     )
+    if http_socket is not None:
+        from coordinator.openai_api.app import build_app
+        from coordinator.openai_api.server import HttpServer
+
+        names = list(dict.fromkeys(n for n in (config.served_model_name, servicer.model_name) if n))
+        http = HttpServer(build_app(servicer, tokens, names, config.server.max_message_bytes), config.server,
+                          http_socket)
+        try:
+            await http.start()
+        except BaseException:
+            await running.stop(grace=0)
+            http_socket.close()
+            raise
+        running.companions.append(http)
+        log.info("OpenAI-compatible HTTP API on %s", http.url)
+    return running

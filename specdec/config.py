@@ -129,3 +129,8 @@ class CoordinatorConfig:
     """Most rounds in one step (workers accept 64 by default)."""
     prefill_chunk_tokens: int = 256
     """Longest run of prompt tokens one step prefills, so a long prompt never stalls the others."""
+    http_port: int | None = None
+    """Port of the OpenAI-compatible HTTP API (coordinator.openai_api), on the gRPC server's
+    host, TLS and tokens; None: no HTTP API; 0: a free port (the CLI's 0 means None)."""
+    served_model_name: str | None = None
+    """The model name the HTTP API answers to and lists; None: the target worker's model spec."""

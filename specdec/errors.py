@@ -25,9 +25,14 @@ class InvalidArgument(SpecdecError, ValueError):
 
 
 class ResourceExhausted(SpecdecError):
-    """A limit was hit (sessions, memory, queue); retrying later may work."""
+    """A limit was hit (sessions, memory, queue); retrying later may work, after
+    `retry_after_s` seconds when the limit knows (None: it does not)."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class FailedPrecondition(SpecdecError):
@@ -40,6 +45,12 @@ class DeadlineExceeded(SpecdecError):
     """The client's deadline passed before the request could finish."""
 
     code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class NotFound(SpecdecError):
+    """The request names something this service does not serve (e.g. a model)."""
+
+    code = grpc.StatusCode.NOT_FOUND
 
 
 class Unavailable(SpecdecError):

@@ -50,6 +50,86 @@ COORDINATOR_QUEUED = Gauge("specdec_coordinator_queued_rounds", "Rounds waiting 
 TTFT = Histogram("specdec_ttft_seconds", "Time from request to first token", buckets=LATENCY_BUCKETS)
 
 
+# --- the names vLLM exposes -----------------------------------------------------------
+# Beside specdec_*, the coordinator counts the same events under the names vLLM's
+# OpenAI-compatible server exposes (vllm/v1/metrics/loggers.py, vllm/v1/spec_decode/
+# metrics.py), labelled as vLLM labels them (model_name, engine), so a dashboard built for
+# vLLM reads specdec unchanged. docs/operations.md lists the mapping.
+
+VLLM_LABELS = ("model_name", "engine")
+VLLM_ENGINE = "0"
+VLLM_FINISHED_REASONS = {1: "stop", 2: "length", 3: "stop"}  # FinishReason EOS, LENGTH, STOP
+
+
+class VllmMetrics:
+    """The vLLM-named series, bound to the served model's name by `bind` (the coordinator
+    does so once it knows its target); until then every update is dropped."""
+
+    def __init__(self):
+        self.families = {
+            "running": Gauge("vllm:num_requests_running", "Requests being generated now", VLLM_LABELS),
+            "prompt_tokens": Counter("vllm:prompt_tokens", "Prefill tokens processed", VLLM_LABELS),
+            "generation_tokens": Counter("vllm:generation_tokens", "Generation tokens processed", VLLM_LABELS),
+            "ttft": Histogram("vllm:time_to_first_token_seconds", "Time to first token", VLLM_LABELS,
+                              buckets=LATENCY_BUCKETS),
+            "e2e": Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency", VLLM_LABELS,
+                             buckets=LATENCY_BUCKETS),
+            "success": Counter("vllm:request_success", "Finished requests by finish reason",
+                               (*VLLM_LABELS, "finished_reason")),
+            "drafts": Counter("vllm:spec_decode_num_drafts", "Rounds that verified a draft", VLLM_LABELS),
+            "draft_tokens": Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", VLLM_LABELS),
+            "accepted_tokens": Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                       VLLM_LABELS),
+            "accepted_per_pos": Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted at each block position", (*VLLM_LABELS, "position")),
+        }
+        self.model_name: str | None = None
+        self._children: dict[str, object] = {name: _Dropped() for name in self.families}
+
+    def bind(self, model_name: str) -> None:
+        self.model_name = model_name
+        self._children.update({name: family.labels(model_name, VLLM_ENGINE) for name, family in self.families.items()
+                               if name not in ("success", "accepted_per_pos")})
+
+    def __getattr__(self, name: str):
+        try:
+            return self.__dict__["_children"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def finished(self, finish_reason: int, seconds: float) -> None:
+        if self.model_name is not None:
+            reason = VLLM_FINISHED_REASONS.get(finish_reason, "abort")
+            self.families["success"].labels(self.model_name, VLLM_ENGINE, reason).inc()
+            self.e2e.observe(seconds)
+
+    def round(self, proposed: int, accepted: int) -> None:
+        """One verified round: a draft of `proposed` tokens of which `accepted` were kept."""
+        if self.model_name is None or proposed == 0:
+            return
+        self.drafts.inc()
+        self.draft_tokens.inc(proposed)
+        self.accepted_tokens.inc(accepted)
+        for position in range(accepted):
+            self.families["accepted_per_pos"].labels(self.model_name, VLLM_ENGINE, str(position)).inc()
+
+
+class _Dropped:
+    """A metric child before binding: accepts every update and records nothing."""
+
+    def inc(self, *_):
+        pass
+
+    def dec(self, *_):
+        pass
+
+    def observe(self, *_):
+        pass
+
+
+vllm = VllmMetrics()
+
+
 def observe_store(kind: str, store, evictions_before: int) -> None:
     """Cache gauges after a worker call; counts the evictions the call caused."""
     WORKER_CACHE_BYTES.labels(kind).set(store.cache_bytes())

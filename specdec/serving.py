@@ -10,7 +10,7 @@ import logging
 import signal
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -59,6 +59,9 @@ class RunningServer:
     service_names: list[str]
     config: ServerConfig
     on_stop: Callable[[], None] | None = None
+    # Servers of the same service on other protocols (the coordinator's HTTP API), each with
+    # `async stop(grace)`: they drain together with this one.
+    companions: list = field(default_factory=list)
 
     @property
     def address(self) -> str:
@@ -66,8 +69,9 @@ class RunningServer:
 
     async def stop(self, grace: float | None = None) -> None:
         """Health goes NOT_SERVING, in-flight calls finish (up to `grace` s), then stop."""
+        grace = self.config.grace_period_s if grace is None else grace
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.config.grace_period_s if grace is None else grace)
+        await asyncio.gather(self.server.stop(grace), *(c.stop(grace) for c in self.companions))
         if self.on_stop is not None:
             self.on_stop()
 

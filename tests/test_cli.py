@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -44,6 +45,8 @@ def model_dirs(tmp_path_factory):
 
 
 def start_up(*args: str) -> tuple[subprocess.Popen, list[str]]:
+    if "--http-port" not in args:
+        args = (*args, "--http-port", "0")
     proc = subprocess.Popen([sys.executable, "-m", "specdec", "up", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     lines = []
@@ -62,11 +65,17 @@ def start_up(*args: str) -> tuple[subprocess.Popen, list[str]]:
 METRICS_PORT = free_port()
 
 
+HTTP_PORT = free_port()
+SERVED_NAME = "smollm2-135m"  # the name the README's curl examples use
+
+
 @pytest.fixture(scope="module")
 def up(model_dirs):
     port = free_port()
     proc, lines = start_up("--port", str(port), "--target", str(model_dirs["target"]),
-                           "--draft", str(model_dirs["draft"]), "--k", "3", "--metrics-port", str(METRICS_PORT))
+                           "--draft", str(model_dirs["draft"]), "--k", "3", "--metrics-port", str(METRICS_PORT),
+                           "--http-port", str(HTTP_PORT), "--served-model-name", SERVED_NAME)
+    lines.append(proc.stdout.readline())  # the HTTP API's line follows the coordinator's
     yield port, proc, lines
     if proc.poll() is None:
         proc.kill()
@@ -78,6 +87,45 @@ def test_up_prints_where_each_service_listens(up):
     text = "".join(lines)
     assert "target worker" in text and "draft worker" in text
     assert f"coordinator    listening on 127.0.0.1:{port}" in text
+
+
+def test_up_prints_the_http_api_url(up):
+    _, _, lines = up
+    assert f"HTTP API       (OpenAI-compatible) on http://127.0.0.1:{HTTP_PORT}/v1" in "".join(lines)
+
+
+def readme_curl_commands() -> list[str]:
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    return [line for line in readme.splitlines() if line.startswith("curl ") and "localhost:8000" in line]
+
+
+def test_the_readme_curl_examples_answer(up):
+    commands = readme_curl_commands()
+    assert len(commands) == 3
+    outputs = []
+    for command in commands:
+        result = subprocess.run(command.replace("localhost:8000", f"127.0.0.1:{HTTP_PORT}"), shell=True,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        outputs.append(result.stdout)
+    chat, streamed, models = outputs
+    assert json.loads(chat)["choices"][0]["message"]["content"]
+    assert streamed.rstrip().endswith("data: [DONE]") and '"text_completion"' in streamed
+    assert json.loads(models)["data"][0]["id"] == SERVED_NAME
+
+
+def test_openai_sdk_through_up_equals_generate(up):
+    import openai
+
+    port, _, _ = up
+    grpc_out = json.loads(specdec("generate", "--addr", f"127.0.0.1:{port}", "--max-new-tokens", "20", "--json",
+                                  "The quick brown fox").stdout)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/v1", api_key="unused", max_retries=0)
+    reply = client.chat.completions.create(model=SERVED_NAME, max_tokens=20, temperature=0,
+                                           messages=[{"role": "user", "content": "The quick brown fox"}],
+                                           extra_body={"return_token_ids": True})
+    assert reply.choices[0].model_extra["token_ids"] == grpc_out["token_ids"]
+    assert reply.choices[0].message.content == grpc_out["text"]
 
 
 def test_generate_json_output_equals_target_alone(up, model_dirs):
@@ -118,7 +166,7 @@ def test_generate_without_a_server_says_unavailable():
 
 
 def test_up_refuses_a_draft_with_another_tokenizer(model_dirs):
-    result = specdec("up", "--port", str(free_port()), "--target", str(model_dirs["target"]),
+    result = specdec("up", "--port", str(free_port()), "--http-port", "0", "--target", str(model_dirs["target"]),
                      "--draft", str(model_dirs["mismatched"]))
     assert result.returncode != 0
     assert "FAILED_PRECONDITION: tokenizer mismatch" in result.stderr

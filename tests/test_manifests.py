@@ -302,6 +302,13 @@ def test_serve_ports_match_the_named_container_ports(rendered: Docs) -> None:
         ), dep_name
 
 
+def test_coordinator_serves_the_http_api_on_its_named_port(rendered: Docs) -> None:
+    container = main_container(deployment(rendered, COORDINATOR))
+    assert int(flag(container, "--http-port") or 0) == container_port(container, "http")
+    (service,) = [s for s in of_kind(rendered, "Service") if component_of(s) == COORDINATOR]
+    assert any(p["targetPort"] == "http" and p.get("appProtocol") == "http" for p in service["spec"]["ports"])
+
+
 def test_argument_variables_are_defined_in_the_container_env(rendered: Docs) -> None:
     # An undefined $(VAR) is passed to the program literally, e.g. `--model $(MODEL)`.
     for dep_name, _, container in containers(rendered):

@@ -63,7 +63,7 @@ def test_installed_wheel_runs_up_with_the_default_head(fresh_env, tmp_path):
     where = subprocess.run([str(fresh_env / "bin" / "python"), "-c", "import specdec; print(specdec.__file__)"],
                            cwd=tmp_path, env=env, check=True, capture_output=True, text=True).stdout
     assert str(fresh_env) in where and str(ROOT) not in where
-    up = subprocess.Popen([str(fresh_env / "bin" / "specdec"), "up", "--port", "0"], cwd=tmp_path, env=env,
+    up = subprocess.Popen([str(fresh_env / "bin" / "specdec"), "up", "--port", "0", "--http-port", "0"], cwd=tmp_path, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines, address = [], None

@@ -16,6 +16,7 @@ from specdec.client import Client, make_request
 
 STARTUP_TIMEOUT_S = 600.0
 LISTENING = re.compile(r"^coordinator\s+listening on (\S+)")
+HTTP_LISTENING = re.compile(r"^HTTP API\s+\(OpenAI-compatible\) on (\S+)")
 
 
 @dataclass
@@ -29,13 +30,17 @@ class SpecdecUp:
     """One `specdec up` process serving a target and a drafter ('ngram' or a model)."""
 
     def __init__(self, target: str, draft: str, k: int, threads: int, loop: asyncio.AbstractEventLoop,
-                 extra_args: list[str] | None = None):
+                 extra_args: list[str] | None = None, http_port: int = 0):
+        """http_port: serve the OpenAI-compatible HTTP API there too (its base URL in
+        self.http_url); 0: no HTTP API."""
         self.draft = draft
         self.k = k
         self.loop = loop
+        self.http_url: str | None = None
+        self._want_http = bool(http_port)
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-        command = [sys.executable, "-m", "specdec", "up", "--port", "0", "--target", target, "--draft", draft,
-                   "--k", str(k), *(extra_args or [])]
+        command = [sys.executable, "-m", "specdec", "up", "--port", "0", "--http-port", str(http_port),
+                   "--target", target, "--draft", draft, "--k", str(k), *(extra_args or [])]
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self._stderr: list[str] = []
         threading.Thread(target=self._drain_stderr, daemon=True).start()
@@ -52,16 +57,20 @@ class SpecdecUp:
     def _wait_listening(self) -> str:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         lines = []
+        address = None
         while time.monotonic() < deadline:
             line = self.process.stdout.readline()
             if not line:
                 break
             lines.append(line)
-            found = LISTENING.match(line)
-            if found:
+            found, http = LISTENING.match(line), HTTP_LISTENING.match(line)
+            address = found.group(1) if found else address
+            if http:
+                self.http_url = http.group(1)
+            if address and (self.http_url or not self._want_http):
                 # Nothing else is read from stdout; let it drain so the pipe never fills.
                 threading.Thread(target=self.process.stdout.read, daemon=True).start()
-                return found.group(1)
+                return address
         self.process.kill()
         raise RuntimeError(f"specdec up --draft {self.draft} did not start: {''.join(lines)}{''.join(self._stderr)}")
 

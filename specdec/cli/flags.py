@@ -60,7 +60,17 @@ def server_config(args) -> ServerConfig:
                         tls=ServerTLS(*paths), insecure=args.insecure)
 
 
+DEFAULT_HTTP_PORT = 8000
+
+
 def add_coordinator_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--http-port", type=int, default=int(env("SPECDEC_HTTP_PORT", DEFAULT_HTTP_PORT)),
+                        help="serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                             "/v1/models, /health) on this port of --host; 0: no HTTP API (default %(default)s) "
+                             "[SPECDEC_HTTP_PORT]")
+    parser.add_argument("--served-model-name", default=env("SPECDEC_SERVED_MODEL_NAME", None),
+                        help="the model name the HTTP API answers to (default: the target's model spec) "
+                             "[SPECDEC_SERVED_MODEL_NAME]")
     parser.add_argument("--auth-token-file", default=env("SPECDEC_AUTH_TOKEN_FILE", None),
                         help="require a bearer token from this file (one per line; re-read when it changes) "
                              "[SPECDEC_AUTH_TOKEN_FILE; tokens may also come from SPECDEC_AUTH_TOKENS]")
@@ -91,7 +101,8 @@ def coordinator_config(args, target_addr: str, draft_addr: str | None, tokenizer
         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
         rate_limit_per_client=args.rate_limit, batching=not args.no_batching,
         step_token_budget=args.step_token_budget, max_batch_rounds=args.max_batch_rounds,
-        prefill_chunk_tokens=args.prefill_chunk,
+        prefill_chunk_tokens=args.prefill_chunk, http_port=args.http_port or None,
+        served_model_name=args.served_model_name,
     )
 
 

@@ -69,5 +69,7 @@ async def run(args) -> int:
             from target_worker import service
         running = await service.serve(flags.worker_config(args, args.model))
     print(f"{args.service} listening on {running.address}", flush=True)
+    for companion in running.companions:
+        print(f"{args.service} HTTP API (OpenAI-compatible) on {companion.url}/v1", flush=True)
     await serve_until(stop, [running])
     return 0

@@ -38,6 +38,10 @@ async def run(args) -> int:
 
     stop = stop_on_signals()
     args.draft = args.draft or default_draft(args.target)
+    if args.http_port:  # a busy --http-port fails now, not after the models load
+        from coordinator.openai_api.server import bind
+
+        bind(args.host, args.http_port).close()
 
     # One process serves all three here, so one /metrics endpoint covers them.
     serve_metrics(flags.server_config(args).metrics_port, args.host)
@@ -83,6 +87,8 @@ async def run(args) -> int:
         config = flags.coordinator_config(args, target.address, draft_addr, args.target, coordinator_tls)
         coordinator = await coordinator_service.serve(config)
         print(f"coordinator    listening on {coordinator.address} (k={args.k}); Ctrl-C stops", flush=True)
+        if coordinator.companions:
+            print(f"HTTP API       (OpenAI-compatible) on {coordinator.companions[0].url}/v1", flush=True)
         await serve_until(stop, [coordinator, *servers])
     finally:
         if child is not None:

@@ -109,5 +109,13 @@ def client_identity(context: grpc.aio.ServicerContext) -> str:
     return peer.rsplit(":", 1)[0]
 
 
+def http_identity(token: str | None, host: str) -> str:
+    """client_identity for an HTTP caller, spelled as gRPC spells its peers, so a client
+    holds one set of limits whichever API it calls."""
+    if token:
+        return "token:" + hashlib.sha256(token.encode()).hexdigest()[:12]
+    return f"ipv6:[{host}]" if ":" in host else f"ipv4:{host}"
+
+
 def env_tokens() -> str:
     return os.environ.get("SPECDEC_AUTH_TOKENS", "")

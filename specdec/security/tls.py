@@ -91,7 +91,7 @@ def is_loopback(host: str) -> bool:
 def check_plaintext_allowed(host: str, insecure: bool, what: str) -> None:
     """Refuses plaintext off loopback unless asked for, and says so loudly when it is."""
     if insecure:
-        log.warning("INSECURE: %s serves plaintext gRPC on %s (--insecure): no encryption, no peer "
+        log.warning("INSECURE: %s serves plaintext on %s (--insecure): no encryption, no peer "
                     "authentication. Use --tls-cert/--tls-key (and --tls-client-ca for workers) in production.",
                     what, host)
     elif not is_loopback(host):
