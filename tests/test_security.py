@@ -94,6 +94,45 @@ def test_the_draft_worker_is_reached_over_mtls(tls_result):
     assert tls_result.stats["proposed"] > 0
 
 
+@pytest.fixture(scope="module")
+def https_replies(certs, target, tokenizer):
+    """The HTTP API of a TLS coordinator: a chat completion over HTTPS verified against the
+    CA, and the same request over plaintext HTTP."""
+    import httpx
+
+    async def scenario():
+        coordinator, target_server, draft, servicer = await tls_stack(certs, target, tokenizer, http_port=0)
+        port = coordinator.companions[0].port
+        body = {"model": "tiny-target", "messages": [{"role": "user", "content": PROMPTS[1]}],
+                "max_tokens": MAX_NEW, "temperature": 0, "return_token_ids": True}
+        try:
+            async with httpx.AsyncClient(verify=str(certs / "ca.pem"), timeout=60) as http:
+                secure = await http.post(f"https://localhost:{port}/v1/chat/completions", json=body)
+            async with httpx.AsyncClient(timeout=10) as http:
+                try:
+                    plain = await http.post(f"http://localhost:{port}/v1/chat/completions", json=body)
+                except httpx.HTTPError as exc:
+                    plain = exc
+            return coordinator.companions[0].url, secure, plain
+        finally:
+            await stop_all([coordinator, draft, target_server], servicer)
+
+    return run(scenario())
+
+
+def test_the_http_api_serves_tls_with_the_coordinators_certificate(https_replies, target, tokenizer):
+    url, secure, _ = https_replies
+    assert url.startswith("https://")
+    assert secure.status_code == 200, secure.text
+    assert secure.json()["choices"][0]["token_ids"] == reference_greedy(target, chat_ids(tokenizer, PROMPTS[1]),
+                                                                        MAX_NEW)
+
+
+def test_the_tls_http_api_answers_no_plaintext(https_replies):
+    _, _, plain = https_replies
+    assert not (hasattr(plain, "status_code") and plain.status_code == 200)
+
+
 @pytest.mark.parametrize("peer", ["no client certificate", "plaintext"])
 def test_a_worker_refuses_a_peer_without_a_valid_client_certificate(peer, certs, target, tokenizer):
     async def scenario():
