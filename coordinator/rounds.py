@@ -140,8 +140,8 @@ class RoundRunner:
                 verdict = await self._verify(gen, drafts, draft_next)
                 self._record(gen, drafts, verdict, asked)
                 new = self._commit(gen, drafts, verdict)
+                text, new = self._stream(gen, new)
                 self._observe(gen, drafts, verdict, new)
-                text = self._stream(gen, new)
                 yield self._response(gen, new, text)
         finally:
             self.target.finished(gen.target)  # no step waits for its next round
@@ -261,20 +261,27 @@ class RoundRunner:
             metrics.vllm.ttft.observe(gen.stats.first_token_at - gen.stats.started)
 
     @staticmethod
-    def _stream(gen: Generation, new: list[int]) -> str:
+    def _stream(gen: Generation, new: list[int]) -> tuple[str, list[int]]:
         """The new tokens' text, ending at a stop string (which then finishes the request);
-        when the request ends otherwise, also what the detokenizer and stop matcher held back."""
+        when the request ends otherwise, also what the detokenizer and stop matcher held back.
+        Returns the text and the tokens generated: a stop string cuts them after the token
+        whose text completed it, so token_ids and generated_tokens do not depend on how many
+        tokens the round happened to commit (speculation or not)."""
         text = ""
-        for token in new:
+        for i, token in enumerate(new):
             text += gen.stopper.feed(gen.detok.push(token))
             if gen.stopper.stopped:
                 gen.finish = FinishReason.FINISH_REASON_STOP
-                return text
+                cut = len(new) - (i + 1)
+                if cut:
+                    del gen.committed[-cut:]
+                    gen.stats.generated -= cut
+                return text, new[:i + 1]
         if gen.done:
             text += gen.stopper.feed(gen.detok.flush()) + gen.stopper.finish()
             if gen.stopper.stopped:
                 gen.finish = FinishReason.FINISH_REASON_STOP
-        return text
+        return text, new
 
     @staticmethod
     def _response(gen: Generation, new: list[int], text: str) -> coordinator_pb2.GenerateResponse:

@@ -48,6 +48,8 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.vocab_size = vocab_size
         self.model_name = model_name
         self.admission = Admission(config)
+        # Per-client limits key on tokens only when tokens are checked (specdec.security.auth).
+        self.authenticated = bool(config.auth_token_file or config.auth_tokens_env.strip(" ,"))
 
     @property
     def active(self) -> int:
@@ -106,13 +108,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
     async def Generate(self, request: coordinator_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
         try:
-            async for response in self.generate(request, client_identity(context),
+            async for response in self.generate(request, client_identity(context, self.authenticated),
                                                 logs.metadata_request_id(context.invocation_metadata()),
                                                 context.time_remaining()):
                 yield response
         except ResourceExhausted as exc:
             if exc.retry_after_s is not None:
-                context.set_trailing_metadata((("retry-after-s", str(math.ceil(exc.retry_after_s))),))
+                # gRPC's own hint (A6 client retries: grpc-retry-pushback-ms) and a plain one.
+                context.set_trailing_metadata((
+                    ("grpc-retry-pushback-ms", str(math.ceil(exc.retry_after_s * 1000))),
+                    ("retry-after-s", str(math.ceil(exc.retry_after_s))),
+                ))
             raise
 
 

@@ -100,8 +100,9 @@ class CoordinatorConfig:
     max_streams_per_client: int = 16
     """Generate streams one client (its token, else its address) may hold at once."""
     rate_limit_per_client: float = 0.0
-    """Requests per second one client may start (0: no limit); beyond it a request waits up
-    to rate_limit_wait_s, then gets RESOURCE_EXHAUSTED with a retry hint."""
+    """Requests per second one client may start (0: no limit; the CLI's default is 50);
+    beyond it a request waits up to rate_limit_wait_s, then gets RESOURCE_EXHAUSTED with a
+    retry hint."""
     rate_limit_wait_s: float = 0.5
     """How long a request may queue for its client's rate limit."""
     max_new_tokens_limit: int = 4096

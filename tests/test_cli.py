@@ -89,6 +89,34 @@ def test_up_prints_where_each_service_listens(up):
     assert f"coordinator    listening on 127.0.0.1:{port}" in text
 
 
+def state_and_parent(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process from /proc; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
+def test_a_draft_worker_dies_with_a_killed_up(model_dirs):
+    """`specdec up` killed outright (no cleanup of its own) takes its draft worker process
+    with it."""
+    from tests.conftest import SESSION_MARK, processes_left_behind
+
+    proc, _ = start_up("--port", str(free_port()), "--target", str(model_dirs["target"]),
+                       "--draft", str(model_dirs["draft"]))
+    children = [int(line.split(":")[0]) for line in processes_left_behind(os.environ[SESSION_MARK])
+                if " serve draft " in line]
+    children = [pid for pid in children if (state_and_parent(pid) or ("", 0))[1] == proc.pid]
+    assert len(children) == 1
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (state_and_parent(children[0]) or ("Z",))[0] != "Z":
+        time.sleep(0.2)
+    assert (state_and_parent(children[0]) or ("Z",))[0] == "Z", "the draft worker outlived its killed parent"
+
+
 def test_up_prints_the_http_api_url(up):
     _, _, lines = up
     assert f"HTTP API       (OpenAI-compatible) on http://127.0.0.1:{HTTP_PORT}/v1" in "".join(lines)

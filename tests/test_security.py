@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import socket
+import ssl
 import subprocess
 import sys
 import urllib.request
@@ -106,7 +107,8 @@ def https_replies(certs, target, tokenizer):
         body = {"model": "tiny-target", "messages": [{"role": "user", "content": PROMPTS[1]}],
                 "max_tokens": MAX_NEW, "temperature": 0, "return_token_ids": True}
         try:
-            async with httpx.AsyncClient(verify=str(certs / "ca.pem"), timeout=60) as http:
+            verify = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+            async with httpx.AsyncClient(verify=verify, timeout=60) as http:
                 secure = await http.post(f"https://localhost:{port}/v1/chat/completions", json=body)
             async with httpx.AsyncClient(timeout=10) as http:
                 try:
@@ -259,7 +261,32 @@ def test_streams_beyond_the_per_client_limit_get_resource_exhausted(target, toke
     error, trailing, first = run(scenario())
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry" in error.details()
     assert trailing.get("retry-after-s") == "1"
+    assert trailing.get("grpc-retry-pushback-ms") == "1000"
     assert first.token_ids == reference_greedy(target, chat_ids(tokenizer, PROMPTS[0]), MAX_NEW)
+
+
+def test_without_authentication_a_new_token_does_not_dodge_the_per_client_limit(target, tokenizer):
+    """Tokens nothing checks are not identities: two random tokens from one address are one
+    client."""
+    from tests.test_services import Gate
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft="ngram", max_streams_per_client=1) as stack:
+            gate = Gate(stack.target_servicer.verifier.verify_batch, at_call=2)
+            stack.target_servicer.verifier.verify_batch = gate
+            async with Client(stack.address, token="random-1") as first_client, \
+                    Client(stack.address, token="random-2") as second_client:
+                first = asyncio.create_task(first_client.complete(make_request(PROMPTS[0], max_new_tokens=MAX_NEW)))
+                assert await asyncio.to_thread(gate.entered.wait, 30)
+                try:
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await second_client.complete(make_request(PROMPTS[1], max_new_tokens=4))
+                finally:
+                    gate.release.set()
+                await first
+                return caught.value
+
+    assert run(scenario()).code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_evicted_sessions_are_rebuilt_not_lost(target, tokenizer):

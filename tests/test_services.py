@@ -135,6 +135,28 @@ def test_stop_string_cuts_the_text(target, tokenizer):
     assert result.text == full[:full.find(stop)]
 
 
+def test_stop_string_cuts_token_ids_the_same_with_and_without_speculation(target, tokenizer):
+    """The ids end with the token whose text completed the stop string, whatever the rounds
+    committed beyond it: equal to the target alone cut there."""
+    prompt = PROMPTS[1]
+    reference = reference_greedy(target, chat_ids(tokenizer, prompt), MAX_NEW)
+    full = tokenizer.decode(reference, skip_special_tokens=True)
+    stop = full[10:13]
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=target) as stack:
+            return [(await generate_all(stack.address, [prompt], tokenizer, stop=[stop], k=8, speculate=speculate))[0]
+                    for speculate in (True, False)]
+
+    speculated, alone = run(scenario())
+    assert speculated.stats["tokens_per_round"] > 1  # rounds committed several tokens at once
+    assert speculated.token_ids == alone.token_ids
+    assert speculated.stats["generated_tokens"] == alone.stats["generated_tokens"] == len(alone.token_ids)
+    completing = next(n for n in range(1, len(reference) + 1)
+                      if stop in tokenizer.decode(reference[:n], skip_special_tokens=True))
+    assert alone.token_ids == reference[:completing]
+
+
 def test_max_new_tokens_is_exact(target, tokenizer):
     async def scenario():
         async with running_stack(target, tokenizer, draft=target) as stack:

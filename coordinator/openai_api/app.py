@@ -76,7 +76,7 @@ def build_app(servicer, tokens: TokenSet, model_names: list[str], max_body_bytes
             raise HttpError(401, "missing bearer token" if token is None else "invalid bearer token",
                             "authentication_error", "invalid_api_key")
         host = request.client.host if request.client else "unknown"
-        return http_identity(token, host)
+        return http_identity(token, host, tokens.enabled)
 
     def check_model(name: str) -> str:
         if name not in model_names:

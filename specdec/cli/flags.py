@@ -61,6 +61,9 @@ def server_config(args) -> ServerConfig:
 
 
 DEFAULT_HTTP_PORT = 8000
+# Requests per second one client may start by default: far above what one user's
+# completions need, low enough that a runaway client cannot flood the coordinator alone.
+DEFAULT_RATE_LIMIT = 50.0
 
 
 def add_coordinator_flags(parser: argparse.ArgumentParser) -> None:
@@ -79,8 +82,9 @@ def add_coordinator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-streams-per-client", type=int, default=16,
                         help="streams one client (token, else address) may hold at once")
     parser.add_argument("--max-prompt-tokens", type=int, default=32768, help="longest prompt accepted")
-    parser.add_argument("--rate-limit", type=float, default=0.0,
-                        help="requests per second one client may start; 0: no limit")
+    parser.add_argument("--rate-limit", type=float, default=float(env("SPECDEC_RATE_LIMIT", DEFAULT_RATE_LIMIT)),
+                        help="requests per second one client (its token when tokens are checked, else its address) "
+                             "may start; 0: no limit (default %(default)s) [SPECDEC_RATE_LIMIT]")
     parser.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens accepted")
     parser.add_argument("--no-batching", action="store_true",
                         help="one worker call per round instead of batched steps (continuous batching off)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import sys
 import tempfile
@@ -106,7 +107,8 @@ async def _spawn_draft(args, cert_dir, ca) -> tuple[asyncio.subprocess.Process, 
                "--max-sessions", str(args.max_sessions), "--max-cache-mb", str(args.max_cache_mb),
                "--min-chain-prob", str(args.min_chain_prob),
                "--device", args.device, "--grace-period", "2", "--log-format", args.log_format or "text"]
-    child = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
+    child = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE,
+                                                 preexec_fn=parent_death_signal())
     marker = "draft listening on "
     while True:
         line = (await child.stdout.readline()).decode()
@@ -116,6 +118,28 @@ async def _spawn_draft(args, cert_dir, ca) -> tuple[asyncio.subprocess.Process, 
                              "its log is above")
         if line.startswith(marker):
             return child, line[len(marker):].strip()
+
+
+def parent_death_signal():
+    """A function to run in a child between fork and exec, so that the kernel sends it
+    SIGTERM when `specdec up` dies, however it dies (SIGKILL, the OOM killer): no worker
+    outlives it holding its port, memory and certificates (Linux prctl PR_SET_PDEATHSIG).
+    None elsewhere, where only `up`'s own clean exit stops the child. Everything it needs is
+    looked up here, in the parent: after a fork only async-signal-safe calls are safe."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import signal
+
+    prctl, parent = ctypes.CDLL(None, use_errno=True).prctl, os.getpid()
+    pr_set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
+
+    def arm() -> None:
+        prctl(pr_set_pdeathsig, sigterm, 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the prctl took effect
+            os._exit(1)
+
+    return arm
 
 
 async def _stop_child(child: asyncio.subprocess.Process) -> None:

@@ -99,22 +99,28 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             deny_unary, response_serializer=handler.response_serializer if handler else None)
 
 
-def client_identity(context: grpc.aio.ServicerContext) -> str:
-    """Who a call comes from, for per-client limits: its token if any, else its address."""
-    token = bearer_token(context.invocation_metadata())
+def client_identity(context: grpc.aio.ServicerContext, authenticated: bool) -> str:
+    """Who a call comes from, for per-client limits: with authentication on, its (accepted)
+    token; otherwise its address. A token is never an identity when nothing checks it, or a
+    caller could dodge every per-client limit by sending a new random token each time."""
+    token = bearer_token(context.invocation_metadata()) if authenticated else None
     if token:
-        return "token:" + hashlib.sha256(token.encode()).hexdigest()[:12]  # never the token itself
+        return _token_identity(token)
     peer = context.peer() or "unknown"
     # ipv4:1.2.3.4:5678 -> ipv4:1.2.3.4 (one client, many ports)
     return peer.rsplit(":", 1)[0]
 
 
-def http_identity(token: str | None, host: str) -> str:
+def http_identity(token: str | None, host: str, authenticated: bool) -> str:
     """client_identity for an HTTP caller, spelled as gRPC spells its peers, so a client
     holds one set of limits whichever API it calls."""
-    if token:
-        return "token:" + hashlib.sha256(token.encode()).hexdigest()[:12]
+    if token and authenticated:
+        return _token_identity(token)
     return f"ipv6:[{host}]" if ":" in host else f"ipv4:{host}"
+
+
+def _token_identity(token: str) -> str:
+    return "token:" + hashlib.sha256(token.encode()).hexdigest()[:12]  # never the token itself
 
 
 def env_tokens() -> str:
