@@ -23,35 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.load import free_port  # noqa: E402
+from benchmarks.load import free_port, probe_grpc, probe_http  # noqa: E402
 from specdec.bench.machine import describe  # noqa: E402
 from specdec.bench.prompts import PROMPTS  # noqa: E402
 from specdec.bench.services import SpecdecUp  # noqa: E402
-from specdec.client import make_request  # noqa: E402
-
-
-async def over_grpc(client, prompt: str, max_new_tokens: int) -> tuple[float, float]:
-    began, first = time.perf_counter(), None
-    async for response in client.stream(make_request(prompt, max_new_tokens=max_new_tokens), wait_for_ready=True):
-        if response.token_ids and first is None:
-            first = time.perf_counter() - began
-        if response.finish_reason:
-            return first, response.stats.ttft_s
-    raise RuntimeError("the stream ended without a finish reason")
-
-
-async def over_http(sdk, model: str, prompt: str, max_new_tokens: int) -> tuple[float, float]:
-    began, first, server = time.perf_counter(), None, None
-    stream = await sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                               max_tokens=max_new_tokens, temperature=0, stream=True,
-                                               extra_body={"return_token_ids": True})
-    async for chunk in stream:
-        for choice in chunk.choices:
-            if choice.model_extra.get("token_ids") and first is None:
-                first = time.perf_counter() - began
-            if choice.finish_reason:
-                server = chunk.model_extra["specdec"]["ttft_s"]
-    return first, server
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,15 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [p.text for p in PROMPTS[:args.prompts]]
     samples: dict[str, list[tuple[float, float]]] = {"grpc": [], "http": []}
     try:
-        loop.run_until_complete(over_grpc(up.client, prompts[0], 8))  # warm-up
-        loop.run_until_complete(over_http(sdk, args.target, prompts[0], 8))
+        loop.run_until_complete(probe_grpc(up.client, prompts[0], 8))  # warm-up
+        loop.run_until_complete(probe_http(sdk, args.target, prompts[0], 8))
         for repeat in range(args.repeats):
             for prompt in prompts:
                 order = ["grpc", "http"] if repeat % 2 == 0 else ["http", "grpc"]
                 for api in order:
-                    call = over_grpc(up.client, prompt, args.max_new_tokens) if api == "grpc" else \
-                        over_http(sdk, args.target, prompt, args.max_new_tokens)
-                    samples[api].append(loop.run_until_complete(call))
+                    call = probe_grpc(up.client, prompt, args.max_new_tokens) if api == "grpc" else \
+                        probe_http(sdk, args.target, prompt, args.max_new_tokens)
+                    result = loop.run_until_complete(call)
+                    samples[api].append((result["ttft_s"], result["server_ttft_s"]))
     finally:
         loop.run_until_complete(sdk.close())
         up.close()
