@@ -76,7 +76,7 @@ ENV PATH=/opt/venv/bin:$PATH \
 
 USER 10001:10001
 # coordinator, target worker, draft worker (gRPC); Prometheus metrics.
-EXPOSE 50051 50052 50053 8000 9090
+EXPOSE 50051 50052 50053 8000 8081 9090
 # exec form: specdec is PID 1 and gets SIGTERM itself, so it can drain before stopping.
 ENTRYPOINT ["specdec"]
 CMD ["serve", "--help"]

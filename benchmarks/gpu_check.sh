@@ -45,7 +45,8 @@ EOF
 
 SPECDEC_TEST_DEVICE=cuda timeout "${TESTS_TIMEOUT_S:-300}" "$python" -m pytest -q -p no:cacheprovider -m "not slow" \
     ${PYTEST_ARGS:-} tests/test_services.py tests/test_sampling_services.py tests/test_seeded_determinism.py \
-    tests/test_batching.py tests/test_inline_head.py tests/test_eagle_services.py tests/test_tree.py 2>&1 | tee "$out/pytest_cuda.log" | tail -40
+    tests/test_batching.py tests/test_inline_head.py tests/test_eagle_services.py tests/test_tree.py \
+    tests/test_dtype.py 2>&1 | tee "$out/pytest_cuda.log" | tail -40
 tests=${PIPESTATUS[0]}
 echo "pytest on cuda: exit $tests"
 [ "$kernels" -eq 0 ] && [ "$tests" -eq 0 ]

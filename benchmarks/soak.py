@@ -2,7 +2,8 @@
 worker restart mid-run, and the check that no admitted request was lost or answered wrong.
 
     python benchmarks/soak.py [--duration 120] [--clients 4] [--model tiny|smollm2-135m|DIR]
-                              [--restart target|draft|none] [--restart-signal KILL|TERM] [--json-out FILE]
+                              [--restart target|draft|coordinator|none] [--restart-signal KILL|TERM]
+                              [--json-out FILE]
 
 Starts `python -m specdec serve target|draft|coordinator` (tiny random models saved to a
 temporary directory by default), then runs `--clients` concurrent clients for `--duration`
@@ -19,8 +20,11 @@ seconds. Each request is one of:
 - bad: a malformed request; expected INVALID_ARGUMENT (anything else is listed in
   `bad_unexpected`, which does not fail the run).
 
-At `--restart-at` of the run the chosen worker gets SIGKILL (or SIGTERM) and a new process
-takes its port. By default the new process is an interpreter started earlier with the
+At `--restart-at` of the run the chosen service gets SIGKILL (or SIGTERM) and a new process
+takes its port. With `--restart coordinator` two coordinator replicas serve (over the same
+workers) and the clients' channel knows both: the streams the killed one was serving break,
+and the clients resume them on the other (specdec.client resumes by default; every request
+but the bad ones goes through it, and `resumes` counts them; `--no-resume` turns it off). By default the new process is an interpreter started earlier with the
 imports done, waiting to run the same `specdec serve` command line: the restart then tests
 that a worker losing every session is harmless, not how fast Python imports torch on a busy
 machine (the coordinator gives a worker ~6 s of retries, then answers UNAVAILABLE by
@@ -58,7 +62,7 @@ sys.path.insert(0, str(REPO))
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from specdec.client import Client, make_request  # noqa: E402
+from specdec.client import NO_RESUME, Client, Resume, make_request  # noqa: E402
 from specdec.v1 import coordinator_pb2  # noqa: E402
 
 MAX_WALL_S = 600.0
@@ -237,6 +241,7 @@ class Plan:
     bad: list[tuple[str, bytes]]  # (label, serialized request)
     max_new_tokens: int
     request_timeout_s: float
+    resume: Resume = Resume()
 
 
 @dataclass
@@ -252,6 +257,7 @@ class Record:
     expected: list[int] | None = None
     admitted: bool = True
     resyncs: int = 0
+    resumes: int = 0
     verdict: str = ""  # ok | lost | wrong | refused | bad-ok | bad-unexpected
 
 
@@ -303,6 +309,30 @@ async def run_call(call, cancel_after: int | None, record: Record) -> None:
         record.code, record.details = exc.code().name, exc.details() or ""
 
 
+async def run_resuming(client: Client, request, timeout: float, cancel_after: int | None, record: Record,
+                       resume: Resume) -> None:
+    """Like run_call, through the client's resuming stream (specdec.client.Client.generate)."""
+    if cancel_after == 0:
+        record.code = "CANCELLED"
+        return
+    stream = client.generate(request, timeout=timeout, resume=resume)
+    messages = 0
+    try:
+        async for response in stream:
+            record.tokens.extend(response.token_ids)
+            record.resyncs += response.stats.resyncs
+            record.resumes += response.stats.resumes
+            messages += 1
+            if messages == cancel_after:
+                record.code = "CANCELLED"
+                return
+        record.code = "OK"
+    except grpc.aio.AioRpcError as exc:
+        record.code, record.details = exc.code().name, exc.details() or ""
+    finally:
+        await stream.aclose()
+
+
 def judge(record: Record, own_status: str | None) -> str:
     if record.kind == "bad":
         return "bad-ok" if record.code in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED") else "bad-unexpected"
@@ -341,7 +371,7 @@ async def one_request(client: Client, client_id: int, rng: random.Random, plan: 
             timeout, own_status = rng.uniform(0.02, 1.0), "DEADLINE_EXCEEDED"
         record = Record(client_id, kind, f"{label} max_new={max_new}", time.monotonic() - t0,
                         expected=expected[:max_new])
-        await run_call(client.stream(request, timeout=timeout), cancel_after, record)
+        await run_resuming(client, request, timeout, cancel_after, record, plan.resume)
     record.ended_s = time.monotonic() - t0
     record.verdict = judge(record, own_status)
     return record
@@ -410,6 +440,8 @@ async def soak(args, services: dict[str, ServiceProcess], spare: ServiceProcess 
     t0 = time.monotonic()
     stop_at = t0 + args.duration
     address = f"127.0.0.1:{services['coordinator'].port}"
+    if "coordinator-b" in services:  # both replicas; pick_first: the first while it is up
+        address = f"ipv4:127.0.0.1:{services['coordinator'].port},127.0.0.1:{services['coordinator-b'].port}"
     sampling = True
 
     async def sample_memory() -> None:
@@ -465,7 +497,8 @@ def report(args, records: list[Record], elapsed: float, restart: Restart, instan
         "passed": passed,
         "config": {"duration_s": args.duration, "clients": args.clients, "model": args.model,
                    "draft": args.draft or ("tiny-draft" if args.model == TINY else NGRAM),
-                   "max_new_tokens": args.max_new_tokens, "seed": args.seed, "threads": args.threads},
+                   "max_new_tokens": args.max_new_tokens, "seed": args.seed, "threads": args.threads,
+                   "restart": args.restart, "resume": not args.no_resume},
         "elapsed_s": round(elapsed, 3),
         "requests": len(records),
         "served": len(served),
@@ -482,6 +515,7 @@ def report(args, records: list[Record], elapsed: float, restart: Restart, instan
         "bad_unexpected": dict(Counter(f"{r.label}: {r.code}: {r.details[:120]}"
                                        for r in records if r.verdict == "bad-unexpected")),
         "resyncs": sum(r.resyncs for r in records),
+        "resumes": sum(r.resumes for r in records),
         "in_flight_at_restart": len(across_restart),
         "served_after_restart": len(after_restart),
         "restart": restart_json,
@@ -501,8 +535,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draft", default=None, help="draft spec or 'ngram' (default: a tiny model / ngram)")
     parser.add_argument("--k", type=int, default=4, help="the coordinator's default k")
     parser.add_argument("--max-new-tokens", type=int, default=24, help="largest max_new_tokens a client asks for")
-    parser.add_argument("--restart", choices=["target", "draft", "none"], default="target")
+    parser.add_argument("--restart", choices=["target", "draft", "coordinator", "none"], default="target")
     parser.add_argument("--restart-signal", choices=["KILL", "TERM"], default="KILL")
+    parser.add_argument("--no-resume", action="store_true",
+                        help="clients do not resume broken streams (to see what resuming saves)")
     parser.add_argument("--restart-at", type=float, default=0.4, help="fraction of --duration (default %(default)s)")
     parser.add_argument("--cold-restart", action="store_true",
                         help="restart with a fresh `python -m specdec serve` instead of a pre-imported interpreter")
@@ -538,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(max(1, args.threads))
         models, model = prepare_models(args, workdir)
-        ports = {name: free_port() for name in ("target", "draft", "coordinator")}
+        names = ("target", "draft", "coordinator") + (("coordinator-b",) if args.restart == "coordinator" else ())
+        ports = {name: free_port() for name in names}
         common = ["--host", "127.0.0.1", "--grace-period", "2"]
         argvs = {
             "target": ["serve", "target", "--port", str(ports["target"]), "--model", models.target_spec, *common],
@@ -548,12 +585,15 @@ def main(argv: list[str] | None = None) -> int:
                             "--draft-addr", f"127.0.0.1:{ports['draft']}",
                             "--tokenizer", models.target_spec, "--k", str(args.k)],
         }
-        # All three start at once: the coordinator waits for the workers by itself.
-        for name in ("target", "draft", "coordinator"):
+        if "coordinator-b" in ports:  # a second replica over the same workers
+            argvs["coordinator-b"] = [str(ports["coordinator-b"]) if value == str(ports["coordinator"]) else value
+                                      for value in argvs["coordinator"]]
+        # All start at once: a coordinator waits for the workers by itself.
+        for name in names:
             services[name] = ServiceProcess(name, ports[name], argvs[name], workdir / f"{name}.log", env)
             instances.append(services[name])
             services[name].spawn()
-        for name in ("target", "draft", "coordinator"):
+        for name in names:
             services[name].wait_serving(startup_timeout_s)
 
         # The expected outputs: greedy from the target model here, sampled from the same
@@ -588,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"before the soak, the services' target-only greedy output differs from the "
                                    f"model's own generate() for {mismatched}")
             plan = Plan(greedy, sampled, bad_requests(models.vocab_size, models.max_context), max_new,
-                        args.request_timeout)
+                        args.request_timeout, NO_RESUME if args.no_resume else Resume())
             return await soak(args, services, spare, plan, restart, startup_timeout_s)
 
         remaining = args.max_wall - (time.monotonic() - began) - 30.0
@@ -603,8 +643,9 @@ def main(argv: list[str] | None = None) -> int:
                 instances.append(service)
         crashed = [s.name for s in instances if not s.expected_exit and s.process is not None and not s.alive()]
         exit_codes = {}
-        for name in ("coordinator", "draft", "target"):
-            exit_codes[services[name].name] = services[name].stop()
+        for name in ("coordinator", "coordinator-b", "draft", "target"):
+            if name in services:
+                exit_codes[services[name].name] = services[name].stop()
         result = report(args, records, elapsed, restart, instances, crashed, exit_codes)
         code = 0 if result["passed"] else 1
     except Exception as exc:  # noqa: BLE001 - a set-up failure is reported like a failed run

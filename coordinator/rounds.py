@@ -22,7 +22,7 @@ from coordinator.adaptive import AdaptiveK, DrafterRecord
 from coordinator.detokenizer import IncrementalDetokenizer, StopMatcher
 from coordinator.workers import DraftClient, FeatureLog, TargetClient, WorkerSession
 from specdec import metrics
-from specdec.errors import Unavailable
+from specdec.errors import InvalidArgument, Unavailable
 from specdec.sampling import GREEDY, Sampling
 from specdec.v1 import common_pb2, coordinator_pb2, target_pb2
 
@@ -46,6 +46,8 @@ class GenerationPlan:
     sampling: Sampling = GREEDY
     # Event-loop time by which the client wants the answer (its gRPC deadline); None: none.
     deadline: float | None = None
+    # A resumed request: the tokens its broken stream already delivered (resume_token_ids).
+    resumed: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -57,6 +59,7 @@ class Stats:
     draft_failures: int = 0
     rejected_blocks: int = 0
     alternative_tokens: int = 0
+    resumed: int = 0  # of `generated`: delivered by an earlier stream of a resumed request
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
 
@@ -69,9 +72,9 @@ class Stats:
             proposed=self.proposed,
             accepted=self.accepted,
             acceptance_rate=self.accepted / self.proposed if self.proposed else 0.0,
-            tokens_per_round=self.generated / self.rounds if self.rounds else 0.0,
+            tokens_per_round=(self.generated - self.resumed) / self.rounds if self.rounds else 0.0,
             ttft_s=(self.first_token_at - self.started) if self.first_token_at else 0.0,
-            tokens_per_s=self.generated / elapsed if elapsed > 0 else 0.0,
+            tokens_per_s=(self.generated - self.resumed) / elapsed if elapsed > 0 else 0.0,
             prompt_tokens=prompt_tokens,
             generated_tokens=self.generated,
             draft_s=sum(s.seconds for s in draft),
@@ -150,7 +153,7 @@ class RoundRunner:
     def _start(self, plan: GenerationPlan) -> Generation:
         base = uuid.uuid4().hex
         use_draft = plan.speculate and self.draft is not None
-        return Generation(
+        gen = Generation(
             plan=plan,
             target=WorkerSession(f"{base}/target", request_id=plan.request_id, deadline=plan.deadline),
             draft=WorkerSession(f"{base}/draft", request_id=plan.request_id, deadline=plan.deadline),
@@ -162,6 +165,24 @@ class RoundRunner:
             detok=IncrementalDetokenizer(self.tokenizer, plan.prompt_ids),
             stopper=StopMatcher(plan.stop),
         )
+        if plan.resumed:
+            self._replay(gen, plan.resumed)
+        return gen
+
+    @staticmethod
+    def _replay(gen: Generation, resumed: list[int]) -> None:
+        """A resumed request continues where its broken stream stopped: the tokens it had
+        delivered are committed, and the detokenizer and stop matcher are brought to the
+        state they had after those tokens. Both advance one token at a time (never per
+        round), so their state is a function of the tokens alone and the text streamed from
+        here on is exactly what the broken stream would have sent next."""
+        gen.committed.extend(resumed)
+        gen.stats.generated = gen.stats.resumed = len(resumed)
+        for token in resumed:
+            gen.stopper.feed(gen.detok.push(token))
+            if gen.stopper.stopped:
+                raise InvalidArgument("resume_token_ids: their text already contains a stop string: the "
+                                      "request had finished")
 
     async def _draft(self, gen: Generation) -> tuple[list[int], tuple[int, bool] | None, int]:
         """This round's draft tokens; the adaptive controller's (k, probing) they answer when
@@ -286,6 +307,9 @@ class RoundRunner:
     @staticmethod
     def _response(gen: Generation, new: list[int], text: str) -> coordinator_pb2.GenerateResponse:
         response = coordinator_pb2.GenerateResponse(text=text, token_ids=new)
+        if gen.stats.rounds == 1:  # what a client needs to resume the request
+            response.request_id = gen.plan.request_id
+            response.seed = gen.plan.sampling.seed
         if gen.done:
             response.finish_reason = gen.finish
             response.stats.CopyFrom(gen.stats.to_proto(len(gen.plan.prompt_ids), gen.sessions))
@@ -323,6 +347,8 @@ class RoundRunner:
         task.add_done_callback(self._background.discard)
 
     async def drain(self) -> None:
-        """Waits for pending releases (used at shutdown and by tests)."""
+        """Waits for pending releases (used at shutdown and by tests), those of hedged
+        rounds' losing calls included."""
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        await self.target.drain()

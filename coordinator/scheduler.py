@@ -83,6 +83,11 @@ class _Queued:
     deadline: float  # event-loop time after which the round is not worth sending
 
 
+def _time_out(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())
+
+
 class StepBatcher:
     """Queues rounds for one worker replica and sends them as batched steps."""
 
@@ -122,9 +127,13 @@ class StepBatcher:
         metrics.COORDINATOR_QUEUED.labels(self.kind).inc()
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._run())
+        # A timer on the round's own future rather than wait_for(shield(...)): no extra
+        # future and callbacks per round on the hot path.
+        timer = loop.call_later(timeout_s, _time_out, queued.future)
         try:
-            return await asyncio.wait_for(asyncio.shield(queued.future), timeout_s)
+            return await queued.future
         finally:
+            timer.cancel()
             if not queued.future.done():
                 queued.future.cancel()  # leaves the queue at the next step (or is ignored)
 

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from coordinator.admission import Admission
-from coordinator.pool import resolve_dns
+from coordinator.hedging import HedgePolicy
+from coordinator.pool import EjectionPolicy, resolve_dns
 from coordinator.rounds import RoundRunner
 from coordinator.validation import plan_request, render_prompt, request_id_of
 from coordinator.workers import DraftClient, TargetClient, model_shape
@@ -31,6 +32,11 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 WORKER_STARTUP_TIMEOUT_S = 600.0
 DRAFT_STARTUP_TIMEOUT_S = 30.0
+# At the end of a drain, streams still running are ended this long before the grace period
+# ends (at most a quarter of it), so the status reaches their clients before the server stops.
+STREAM_END_MARGIN_S = 1.0
+STREAM_ENDED_MESSAGE = ("the coordinator is shutting down: resume the request on another replica "
+                        "(GenerateRequest.resume_token_ids)")
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -50,6 +56,11 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self.admission = Admission(config)
         # Per-client limits key on tokens only when tokens are checked (specdec.security.auth).
         self.authenticated = bool(config.auth_token_file or config.auth_tokens_env.strip(" ,"))
+        # The tasks serving gRPC Generate streams now, for ending them at the end of a drain.
+        self._streams: set[asyncio.Task] = set()
+        self._no_streams = asyncio.Event()
+        self._no_streams.set()
+        self._ending = False
 
     @property
     def active(self) -> int:
@@ -107,11 +118,19 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def Generate(self, request: coordinator_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext):
+        task = asyncio.current_task()
+        self._streams.add(task)
+        self._no_streams.clear()
         try:
             async for response in self.generate(request, client_identity(context, self.authenticated),
                                                 logs.metadata_request_id(context.invocation_metadata()),
                                                 context.time_remaining()):
                 yield response
+        except asyncio.CancelledError:
+            if not self._ending:
+                raise
+            task.uncancel()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, STREAM_ENDED_MESSAGE)
         except ResourceExhausted as exc:
             if exc.retry_after_s is not None:
                 # gRPC's own hint (A6 client retries: grpc-retry-pushback-ms) and a plain one.
@@ -120,6 +139,42 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                     ("retry-after-s", str(math.ceil(exc.retry_after_s))),
                 ))
             raise
+        except Unavailable:
+            # This coordinator already retried the workers for its bound: another attempt
+            # at once would not do better. gRPC's retry pushback (A6: a negative value means
+            # "do not retry") tells resuming clients so; a drain's end sends none.
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", "-1"),))
+            raise
+        finally:
+            self._streams.discard(task)
+            if not self._streams:
+                self._no_streams.set()
+
+    async def end_streams(self, after_s: float) -> None:
+        """Waits up to `after_s` for the gRPC streams to finish, then ends those still
+        running with UNAVAILABLE: a status clients resume from (resume_token_ids) on another
+        replica, where a server stopping past its grace period would cancel them."""
+        if not self._streams:
+            return
+        try:
+            await asyncio.wait_for(self._no_streams.wait(), after_s)
+        except TimeoutError:
+            self._ending = True
+            log.warning("drain: ending %d streams still running; their clients resume them", len(self._streams))
+            for task in list(self._streams):
+                task.cancel()
+
+
+class StreamEnder:
+    """A companion of the coordinator's gRPC server (serving.RunningServer.companions): at
+    stop it gives the streams the grace period less a margin, then ends the rest with a
+    status clients resume from, before the server's own grace ends."""
+
+    def __init__(self, servicer: CoordinatorServicer):
+        self.servicer = servicer
+
+    async def stop(self, grace: float) -> None:
+        await self.servicer.end_streams(max(0.0, grace - min(STREAM_END_MARGIN_S, grace / 4)))
 
 
 async def connect(config: CoordinatorConfig, tokenizer=None, startup_timeout_s: float = WORKER_STARTUP_TIMEOUT_S,
@@ -132,10 +187,17 @@ async def connect(config: CoordinatorConfig, tokenizer=None, startup_timeout_s: 
     client_args = dict(timeout_s=config.worker_timeout_s, retries=config.worker_retries,
                        backoff_s=config.retry_backoff_s, max_message_bytes=config.server.max_message_bytes,
                        resolve_interval_s=config.resolve_interval_s, health_interval_s=config.health_interval_s,
-                       resolver=resolver, tls=config.worker_tls, batching=config.batching,
-                       step_token_budget=config.step_token_budget, max_batch_rounds=config.max_batch_rounds)
-    target = TargetClient(config.target_addr, prefill_chunk=config.prefill_chunk_tokens, **client_args)
-    draft = DraftClient(config.draft_addr, **client_args) if config.draft_addr else None
+                       resolver=resolver, batching=config.batching,
+                       step_token_budget=config.step_token_budget, max_batch_rounds=config.max_batch_rounds,
+                       keepalive_s=config.worker_keepalive_s, keepalive_timeout_s=config.worker_keepalive_timeout_s,
+                       ejection=EjectionPolicy(config.eject_after_failures, config.eject_base_s, config.eject_max_s,
+                                               config.max_ejected_percent))
+    target = TargetClient(config.target_addr, prefill_chunk=config.prefill_chunk_tokens,
+                          tls=config.worker_channel_tls("target"),
+                          hedging=HedgePolicy(config.hedge_percentile, config.hedge_factor, config.hedge_min_s,
+                                              config.hedge_max_share), **client_args)
+    draft = (DraftClient(config.draft_addr, tls=config.worker_channel_tls("draft"), **client_args)
+             if config.draft_addr else None)
     try:
         target_info = await target.info(startup_timeout_s)
         draft_info = None
@@ -160,9 +222,13 @@ async def connect(config: CoordinatorConfig, tokenizer=None, startup_timeout_s: 
                      "that run none", target.head)
         target.accepted_vocab_hashes = {target_info.vocab_hash}
         target.expected_shape = model_shape(target_info)
+        # The fleet's weights: a later replica serving others is refused (coordinator.workers).
+        target.pin_weights(target_info)
         if draft is not None:
             # A model draft must share the target's vocabulary; the n-gram drafter has none.
             draft.accepted_vocab_hashes = {target_info.vocab_hash, ""}
+            if draft_info is not None:  # else the first draft replica admitted pins them
+                draft.pin_weights(draft_info)
         for client in (target, draft):
             if client is not None:
                 await client.start()
@@ -174,6 +240,9 @@ async def connect(config: CoordinatorConfig, tokenizer=None, startup_timeout_s: 
     log.info("target %s at %s; draft %s at %s", target_info.model, config.target_addr,
              f"head {target_info.head} (on the target worker)" if target_info.head else
              draft_info.model if draft_info else None, config.draft_addr)
+    log.info("weights pinned: target %s %s%s; draft %s", target_info.dtype, target_info.fingerprint,
+             f", head {target_info.head_fingerprint}" if target_info.head else "",
+             draft_info.fingerprint if draft_info else "by the first draft replica admitted")
     runner = RoundRunner(target, draft, tokenizer, target_info.model_vocab_size)
     metrics.vllm.bind(config.served_model_name or target_info.model)
     return CoordinatorServicer(config, runner, tokenizer, frozenset(target_info.eos_token_ids),
@@ -218,4 +287,5 @@ async def serve(config: CoordinatorConfig, servicer: CoordinatorServicer | None 
             raise
         running.companions.append(http)
         log.info("OpenAI-compatible HTTP API on %s", http.url)
+    running.companions.append(StreamEnder(servicer))
     return running

@@ -22,6 +22,10 @@ REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:/-]{1,%d}" % MAX_REQUEST_ID_CHARS
 
 def render_prompt(request: coordinator_pb2.GenerateRequest, tokenizer, vocab_size: int,
                   max_prompt_tokens: int = 1 << 30) -> list[int]:
+    """The prompt's token ids (and resume_token_ids checked against the vocabulary)."""
+    bad = [t for t in request.resume_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidArgument(f"resume_token_ids: id {bad[0]} is outside the vocabulary 0..{vocab_size - 1}")
     kind = request.WhichOneof("prompt")
     chars = len(request.text) if kind == "text" else sum(len(m.content) for m in request.chat.messages)
     if chars > max_prompt_tokens * MAX_CHARS_PER_TOKEN:
@@ -99,6 +103,7 @@ def plan_request(request: coordinator_pb2.GenerateRequest, prompt_ids: list[int]
         raise InvalidArgument(
             f"prompt: {len(prompt_ids)} tokens do not fit the model's context of {max_context} tokens"
         )
+    resumed = check_resume(request, prompt_ids, eos_ids, max_context)
     return GenerationPlan(
         request_id=request_id or request_id_of(request, ""),
         prompt_ids=prompt_ids,
@@ -109,4 +114,30 @@ def plan_request(request: coordinator_pb2.GenerateRequest, prompt_ids: list[int]
         eos_ids=eos_ids,
         max_context=max_context,
         sampling=sampling.from_request(request),
+        resumed=resumed,
     )
+
+
+def check_resume(request: coordinator_pb2.GenerateRequest, prompt_ids: list[int], eos_ids: frozenset[int],
+                 max_context: int) -> list[int]:
+    """The tokens a resumed request already streamed (resume_token_ids): they must leave
+    something to generate, and a sampled request must name its seed (without it the rest
+    of the stream could not be the one the client was receiving). A stop string in their
+    text is caught when the runner replays them (coordinator.rounds)."""
+    resumed = list(request.resume_token_ids)
+    if not resumed:
+        return resumed
+    if len(resumed) >= request.max_new_tokens:
+        raise InvalidArgument(f"resume_token_ids: {len(resumed)} ids leave nothing to generate "
+                              f"(max_new_tokens {request.max_new_tokens})")
+    if len(prompt_ids) + len(resumed) >= max_context:
+        raise InvalidArgument(f"resume_token_ids: the prompt and {len(resumed)} ids fill the model's context of "
+                              f"{max_context} tokens: nothing left to generate")
+    for i, token in enumerate(resumed):
+        if token in eos_ids:
+            raise InvalidArgument(f"resume_token_ids[{i}] is the end-of-sequence token {token}: the request "
+                                  "had finished")
+    if not request.HasField("seed") and request.HasField("temperature") and request.temperature > 0:
+        raise InvalidArgument("resume_token_ids: a sampled request resumes only with its seed (the first "
+                              "response's seed)")
+    return resumed

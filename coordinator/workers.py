@@ -5,7 +5,9 @@ another replica), and move a session to another replica when its own fails.
 Bounds, so nothing hangs: a call waits at most `timeout_s`; a round tries at most
 `retries + 1` times, sleeping `backoff_s`, 2·backoff_s, … in between (default 0.2 s doubling
 over 5 retries: ~6 s of back-off) and then fails UNAVAILABLE. The draft side is impatient by
-design: if no draft replica can answer at once, the round goes on with the target alone."""
+design: if no draft replica can answer at once, the round goes on with the target alone.
+A target round a replica holds past the tail of the pool's latencies may also be sent to a
+second replica, the first answer winning (coordinator.hedging)."""
 
 from __future__ import annotations
 
@@ -16,10 +18,13 @@ from dataclasses import dataclass, field
 import grpc
 
 from coordinator.adaptive import DRAFT_TOKEN_COST, PROPOSE_COST, RoundTimes, StepCostModel
-from coordinator.pool import Replica, WorkerPool, resolve_dns
+from coordinator.hedging import HedgePolicy, Hedger
+from coordinator.pool import EjectionPolicy, Replica, WorkerPool, resolve_dns
 from coordinator.scheduler import RoundFailed, StepBatcher
+from specdec import metrics
 from specdec.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from specdec.logs import REQUEST_ID_KEY
+from specdec.serving import MIN_PING_INTERVAL_S
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -39,6 +44,7 @@ MAX_RESYNCS_PER_CALL = 2
 RELEASE_TIMEOUT_S = 30.0
 INFO_TIMEOUT_S = 2.0
 DRAFT_TIMEOUT_S = 10.0
+MIN_KEEPALIVE_S = 2 * MIN_PING_INTERVAL_S
 
 
 def model_shape(info: common_pb2.WorkerInfo) -> tuple:
@@ -46,14 +52,43 @@ def model_shape(info: common_pb2.WorkerInfo) -> tuple:
     return (info.vocab_hash, info.model_vocab_size, info.max_context, tuple(sorted(info.eos_token_ids)))
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
+def refused(kind: str, reason: str) -> bool:
+    """Counts a replica refused admission (never given a round); False, for `_admit`."""
+    metrics.REPLICAS_REFUSED.labels(kind, reason).inc()
+    return False
+
+
+def channel_options(max_message_bytes: int, keepalive_s: float = 0.0,
+                    keepalive_timeout_s: float = 5.0) -> list[tuple[str, int]]:
+    """A worker channel's options. keepalive_s > 0: the channel pings the worker after that
+    long without hearing from it, idle or not, and closes the connection when a ping is
+    unanswered for keepalive_timeout_s, failing its calls UNAVAILABLE — so a silent network
+    partition ends a call within about keepalive_s + keepalive_timeout_s, not at its
+    deadline (gRPC's keepalive, https://grpc.io/docs/guides/keepalive/). keepalive_s is at
+    least MIN_KEEPALIVE_S, twice as long as the workers let pings come
+    (specdec.serving.MIN_PING_INTERVAL_S), so that no ping is "too many"."""
+    options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         # Reconnect quickly to a restarted worker instead of backing off for up to 2 min.
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
     ]
+    if keepalive_s > 0:
+        if keepalive_s < MIN_KEEPALIVE_S or keepalive_timeout_s <= 0:
+            raise ValueError(f"--worker-keepalive-s must be 0 (off) or at least {MIN_KEEPALIVE_S:g} "
+                             f"(got {keepalive_s:g}), and --worker-keepalive-timeout-s above 0 "
+                             f"(got {keepalive_timeout_s:g})")
+        options += [
+            ("grpc.keepalive_time_ms", round(keepalive_s * 1000)),
+            ("grpc.keepalive_timeout_ms", round(keepalive_timeout_s * 1000)),
+            # gRPC core times every ping out, keepalive pings included, after this transport
+            # argument (default 60 s) and not after keepalive_timeout_ms alone: set it too.
+            ("grpc.http2.ping_timeout_ms", round(keepalive_timeout_s * 1000)),
+            ("grpc.keepalive_permit_without_calls", 1),  # an idle link is checked too
+            ("grpc.http2.max_pings_without_data", 0),  # no cap on pings between data frames
+        ]
+    return options
 
 
 @dataclass
@@ -72,6 +107,8 @@ class WorkerSession:
     used: set[str] = field(default_factory=set)
     resyncs: int = 0
     moves: int = 0
+    # Rounds also sent to a second replica (coordinator.hedging).
+    hedges: int = 0
     wire_bytes: int = 0
     seconds: float = 0.0
 
@@ -117,7 +154,8 @@ class WorkerClient:
 
     def __init__(self, endpoints: str, timeout_s: float, retries: int, backoff_s: float, max_message_bytes: int,
                  resolve_interval_s: float = 5.0, health_interval_s: float = 1.0, resolver=resolve_dns,
-                 tls=None, batching: bool = True, step_token_budget: int = 512, max_batch_rounds: int = 32):
+                 tls=None, batching: bool = True, step_token_budget: int = 512, max_batch_rounds: int = 32,
+                 ejection: EjectionPolicy | None = None, keepalive_s: float = 0.0, keepalive_timeout_s: float = 5.0):
         self.timeout_s = timeout_s
         # The draft's deadline is short: waiting long for a suggestion defeats its purpose.
         self.call_timeout_s = min(timeout_s, DRAFT_TIMEOUT_S) if not self.patient else timeout_s
@@ -127,10 +165,15 @@ class WorkerClient:
         # targets) the model's shape; None: not known yet (admit anything).
         self.accepted_vocab_hashes: set[str] | None = None
         self.expected_shape: tuple | None = None
+        # The weights fingerprints every replica must serve, by what they cover ("weights"; for
+        # targets also "head_weights"): pinned from the first replica admitted (pin_weights).
+        self.fingerprints: dict[str, str] = {}
         # The target's feature width: a draft replica reading features of another is refused.
         self.target_feature_size = 0
-        self.pool = WorkerPool(self.kind, endpoints, self.service_name, channel_options(max_message_bytes),
-                               resolve_interval_s, health_interval_s, resolver, admit=self._admit, tls=tls)
+        self.pool = WorkerPool(self.kind, endpoints, self.service_name,
+                               channel_options(max_message_bytes, keepalive_s, keepalive_timeout_s),
+                               resolve_interval_s, health_interval_s, resolver, admit=self._admit, tls=tls,
+                               ejection=ejection)
         self._stubs: dict[str, object] = {}
         # Continuous batching (coordinator.scheduler): one StepBatcher per replica address.
         self.batching = batching
@@ -138,6 +181,10 @@ class WorkerClient:
         self.max_batch_rounds = max_batch_rounds
         self.round_times = RoundTimes()  # rounds that got an answer, retries included
         self._batchers: dict[str, StepBatcher] = {}
+        # Hedged rounds (coordinator.hedging; targets only, None: off), and the background
+        # releases of the sessions their losing calls left behind.
+        self.hedger: Hedger | None = None
+        self._background: set[asyncio.Task] = set()
 
     def _make_stub(self, channel):
         raise NotImplementedError
@@ -151,7 +198,15 @@ class WorkerClient:
     async def start(self) -> None:
         await self.pool.start()
 
+    async def drain(self) -> None:
+        """Waits for the background releases of hedges' losing calls."""
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
     async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         for batcher in list(self._batchers.values()):
             await batcher.close()
         await self.pool.close()
@@ -162,10 +217,11 @@ class WorkerClient:
             address = replica.address
 
             async def send(requests: list, timeout_s: float):
+                self.pool.review_ejections()
                 current = self.pool.replicas.get(address)
-                if current is None:
+                if current is None or current.ejected:  # rounds queued before it went: elsewhere
                     raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                               f"replica {address} left the pool")
+                                               f"replica {address} " + ("is ejected" if current else "left the pool"))
                 return await self._send_batch(self.stub(current), requests, timeout_s)
 
             batcher = self._batchers[address] = StepBatcher(
@@ -200,24 +256,57 @@ class WorkerClient:
         return response
 
     async def _admit(self, replica: Replica) -> bool:
-        """A replica joins only if it serves the tokenizer the coordinator checked at start."""
+        """A replica joins only if it serves the tokenizer the coordinator checked at start
+        and the weights pinned for its kind (`pin_weights`); each refusal is counted
+        (specdec_replicas_refused_total) by its reason."""
         if self.accepted_vocab_hashes is None:
             return True
         info = await self.stub(replica).GetInfo(common_pb2.WorkerInfoRequest(), timeout=INFO_TIMEOUT_S)
         if self.expected_shape is not None and model_shape(info) != self.expected_shape:
+            return refused(self.kind, "shape")
+        if self.kind == "draft" and info.feature_size and info.feature_size != self.target_feature_size:
+            return refused(self.kind, "features")
+        if info.vocab_hash not in self.accepted_vocab_hashes:
+            return refused(self.kind, "vocabulary")
+        if not self._same_weights(replica.address, info):
             return False
         if self.kind == "target":
             self.heads[replica.address] = info.head
         if self.kind == "draft" and info.feature_size:
-            if info.feature_size != self.target_feature_size:
-                return False
             self.feature_size = info.feature_size  # a head that joined after start: send it features
-        return info.vocab_hash in self.accepted_vocab_hashes
+        return True
+
+    def pin_weights(self, info: common_pb2.WorkerInfo) -> None:
+        """Pins the weights this kind's replicas must serve, where none are pinned yet: the
+        replica's fingerprint, and for a target running a head, the head's."""
+        self.fingerprints.setdefault("weights", info.fingerprint)
+        if info.head:
+            self.fingerprints.setdefault("head_weights", info.head_fingerprint)
+
+    def _same_weights(self, address: str, info: common_pb2.WorkerInfo) -> bool:
+        """Whether a replica serves the pinned weights (pinning them if it is the first).
+        A target with other weights would change the output, silently, and a session moved
+        to it mid-request would mix two models; a draft (or a target's head) with other
+        weights would change what the fleet drafts. Either is refused, never used."""
+        served = {"weights": info.fingerprint}
+        if info.head:  # a target replica without a head runs no head weights to compare
+            served["head_weights"] = info.head_fingerprint
+        for reason, fingerprint in served.items():
+            pinned = self.fingerprints.get(reason)
+            if pinned is not None and fingerprint != pinned:
+                log.warning("%s replica %s refused: it serves %s fingerprint %s, but this coordinator pinned %s "
+                            "(a coordinator serves one model: roll new weights out with a new coordinator set)",
+                            self.kind, address, "head" if reason == "head_weights" else "weights",
+                            fingerprint or "(none reported)", pinned or "(none reported)")
+                return refused(self.kind, reason)
+        self.pin_weights(info)
+        return True
 
     async def info(self, timeout_s: float) -> common_pb2.WorkerInfo:
         """Waits up to timeout_s for any replica to answer (models take a while to load)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        reported = ""
         while True:
             if not self.pool.replicas:
                 await self.pool.resolve()
@@ -228,9 +317,31 @@ class WorkerClient:
                 except grpc.aio.AioRpcError:
                     continue
                 return info
+            reason = await self._unreachable()
+            if reason and reason != reported:
+                log.warning("no %s worker answers yet: %s", self.kind, reason)
+                reported = reason
             if loop.time() >= deadline:
-                raise Unavailable(f"no {self.kind} worker at {self.pool.endpoints} answered within {timeout_s:g} s")
+                raise Unavailable(f"no {self.kind} worker at {self.pool.endpoints} answered within {timeout_s:g} s"
+                                  + (f" ({reported})" if reported else ""))
             await asyncio.sleep(0.5)
+
+    async def _unreachable(self) -> str:
+        """Why a replica does not answer: a call that does not wait for the connection fails
+        with the cause (refused, a failed TLS handshake or certificate check), where a waiting
+        one reports only its deadline. "" when none is known."""
+        for replica in list(self.pool.replicas.values()):
+            try:
+                await self.stub(replica).GetInfo(common_pb2.WorkerInfoRequest(), timeout=INFO_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                reason = f"{replica.address}: {(exc.details() or '').rstrip('.')}"
+                if "Hostname Verification" in reason or "not in peer certificate" in reason:
+                    name = self.pool.tls.server_name if self.pool.tls is not None else None
+                    reason += (f"; its certificate does not name {name} (--{self.kind}-tls-server-name)" if name else
+                               f"; its certificate does not name {replica.address.rpartition(':')[0]}: give "
+                               f"--{self.kind}-tls-server-name with a name it does cover")
+                return reason
+        return ""
 
     async def release(self, session: WorkerSession) -> None:
         for address in session.used:
@@ -275,6 +386,7 @@ class WorkerClient:
         attempt = resyncs = 0
         start = min(session.sent, len(committed) - 1)
         last_error = "no replica is healthy"
+        hedges = session.hedges  # a round is hedged at most once, whatever its attempts
         while True:
             replica = await self._replica(session, attempt)
             if replica is not None:
@@ -285,7 +397,9 @@ class WorkerClient:
                     timeout = self.call_timeout_s
                     if session.deadline is not None:
                         timeout = min(timeout, max(0.001, session.deadline - loop.time()))
-                    response = await self._call(replica, request, timeout, session, method)
+                    # The replica that answered, and what it answered, when a hedge won.
+                    response, replica, request = await self._call_hedged(
+                        replica, request, timeout, session, method, committed, make_request, session.hedges == hedges)
                 except (grpc.aio.AioRpcError, RoundFailed) as exc:
                     last_error = f"{replica.address}: {exc.code().name}: {exc.details()}"
                     if session.deadline is not None and loop.time() >= session.deadline:
@@ -303,6 +417,7 @@ class WorkerClient:
                                                  f"{exc.code().name}: {exc.details()}") from exc
                     self.pool.mark_failed(replica.address)
                 else:
+                    self.pool.succeeded(replica.address)
                     session.wire_bytes += request.ByteSize() + response.ByteSize()
                     kind = response.WhichOneof("result")
                     if kind == "resync":
@@ -320,6 +435,163 @@ class WorkerClient:
                 raise Unavailable(f"{self.kind} workers unavailable after {attempt + 1} attempts ({last_error})")
             await asyncio.sleep(self.backoff_s * (2 ** attempt))
             attempt += 1
+
+    # --- hedged rounds (coordinator.hedging) ---------------------------------------------
+
+    async def _call_hedged(self, replica: Replica, request, timeout: float, session: WorkerSession, method: str,
+                           committed: list[int], make_request, may_hedge: bool):
+        """`_call`, hedged where this pool hedges and the round has not been yet: when no
+        answer comes within the delay, the round also goes to a second replica and the
+        first answer is used. Returns (the answer, the replica that gave it, the request it
+        answers); raises the first call's error when neither call answered."""
+        hedger = self.hedger
+        if hedger is None:
+            return await self._call(replica, request, timeout, session, method), replica, request
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        tokens = self._round_tokens(request)
+        hedger.count_call()
+        delay = hedger.delay(tokens) if may_hedge else None
+        if delay is None or delay >= timeout:
+            response = await self._call(replica, request, timeout, session, method)
+            hedger.observe(tokens, loop.time() - began)
+            return response, replica, request
+        first = asyncio.ensure_future(self._call(replica, request, timeout, session, method))
+        hedge: asyncio.Future | None = None
+        second: Replica | None = None
+        try:
+            done, _ = await asyncio.wait((first,), timeout=delay)
+            second = None if done else self._hedge_replica(session, replica, delay)
+            if second is None:
+                response = await first
+                hedger.observe(tokens, loop.time() - began)
+                return response, replica, request
+            session.hedges += 1
+            log.debug("%s round of %s unanswered by %s after %.3g s: hedged to %s", self.kind, session.session_id,
+                      replica.address, loop.time() - began, second.address)
+            hedge = asyncio.ensure_future(self._hedge(second, session, committed, make_request, method))
+            done, _ = await asyncio.wait((first, hedge), return_when=asyncio.FIRST_COMPLETED)
+            if hedge in done and hedge.exception() is not None:
+                self._failed_in_race(second, hedge.exception(), session)
+            elif first in done and first.exception() is not None:
+                try:
+                    answer = await hedge
+                except Exception as exc:  # noqa: BLE001 - the first call's error then decides the round
+                    self._failed_in_race(second, exc, session)
+                else:
+                    self._failed_in_race(replica, first.exception(), session)
+                    hedge = None  # it answers for the round
+                    return self._hedge_won(answer, replica, first, second, session, tokens, began)
+            elif first not in done:
+                answer, hedge = hedge.result(), None
+                return self._hedge_won(answer, replica, first, second, session, tokens, began)
+            # The first call answers (or fails) for the round; the hedge's copy goes (finally).
+            metrics.HEDGED_ROUNDS.labels("lost").inc()
+            log.debug("hedge of %s to %s lost: %s answered first", session.session_id, second.address,
+                      replica.address)
+            response = await first
+            hedger.observe(tokens, loop.time() - began)
+            return response, replica, request
+        finally:
+            if not first.done():
+                first.cancel()
+            if hedge is not None:  # it lost or failed, or the round was cancelled: free its copy
+                self._release_loser(hedge, second.address, session)
+
+    def _hedge_won(self, answer, loser: Replica, call: asyncio.Future, winner: Replica, session: WorkerSession,
+                   tokens: int, began: float):
+        """The hedge answered first: the session lives on `winner` from now on, and the
+        first call's copy on `loser` goes."""
+        response, request = answer
+        metrics.HEDGED_ROUNDS.labels("won").inc()
+        log.debug("hedge of %s to %s won: the session moves there from %s", session.session_id, winner.address,
+                  loser.address)
+        self.hedger.observe(tokens, asyncio.get_running_loop().time() - began)
+        session.moves += 1
+        session.replica = winner.address
+        session.used.add(winner.address)
+        winner.sessions.add(session.session_id)
+        loser.sessions.discard(session.session_id)
+        self._release_loser(call, loser.address, session)
+        return response, winner, request
+
+    def _hedge_replica(self, session: WorkerSession, replica: Replica, delay: float) -> Replica | None:
+        """The replica a round that `replica` has not answered within `delay` also goes to;
+        None, with the reason counted, where HedgePolicy's bounds allow no hedge."""
+        second = self.pool.alternative(session.session_id, replica.address)
+        if second is None:
+            reason = "no_replica"
+        elif session.deadline is not None and session.deadline - asyncio.get_running_loop().time() < delay:
+            reason = "deadline"
+        elif not self.hedger.grant():
+            reason = "budget"
+        else:
+            return second
+        metrics.HEDGES_SKIPPED.labels(reason).inc()
+        log.debug("%s round of %s unanswered by %s after %.3g s, not hedged: %s", self.kind, session.session_id,
+                  replica.address, delay, reason)
+        return None
+
+    async def _hedge(self, replica: Replica, session: WorkerSession, committed: list[int], make_request,
+                     method: str):
+        """A hedge: the round on `replica`, from what it may hold of the session (nothing,
+        unless the session used it before), resending from where it asks (the resync
+        protocol). Returns (its answer, the request it answers)."""
+        loop = asyncio.get_running_loop()
+        start = min(session.sent, len(committed) - 1) if replica.address in session.used else 0
+        for _ in range(MAX_RESYNCS_PER_CALL + 1):
+            delta = common_pb2.SessionDelta(session_id=session.session_id, start=start, tokens=committed[start:],
+                                            request_id=session.request_id)
+            request = make_request(delta)
+            timeout = self.call_timeout_s
+            if session.deadline is not None:
+                timeout = min(timeout, max(0.001, session.deadline - loop.time()))
+            response = await self._call(replica, request, timeout, session, method)
+            if response.WhichOneof("result") != "resync":
+                return response, request
+            session.resyncs += 1
+            session.wire_bytes += request.ByteSize() + response.ByteSize()
+            start = min(response.resync.cached_len, len(committed) - 1)
+        raise Unavailable(f"{self.kind} worker {replica.address} keeps losing session state")
+
+    def _failed_in_race(self, replica: Replica, exc: BaseException, session: WorkerSession) -> None:
+        """A call of a hedged round failed while the other went on: it counts against its
+        replica as a round's failed call does (coordinator.pool.EjectionPolicy), unless the
+        client's deadline ran out."""
+        log.debug("%s call of hedged round of %s failed on %s: %s", self.kind, session.session_id, replica.address,
+                  exc)
+        if session.deadline is not None and asyncio.get_running_loop().time() >= session.deadline:
+            return
+        code = exc.code() if isinstance(exc, (grpc.aio.AioRpcError, RoundFailed)) else None
+        if code in TRANSIENT or code in REPLICA_FAULT:
+            self.pool.mark_failed(replica.address)
+
+    def _release_loser(self, call: asyncio.Future, address: str, session: WorkerSession) -> None:
+        """Cancels a hedged round's losing call and, in the background, frees what it may
+        have left of the session on `address`: once the call is over and no step in flight
+        there carries the round (StepBatcher.settled), so the Release cannot overtake it;
+        never while the session lives there (its own release frees it then)."""
+        if not call.done():
+            call.cancel()
+        if address != session.replica:
+            session.used.discard(address)
+
+        async def release() -> None:
+            await asyncio.gather(call, return_exceptions=True)
+            batcher = self._batchers.get(address)
+            if batcher is not None:
+                try:
+                    await asyncio.wait_for(batcher.settled(session.key), RELEASE_TIMEOUT_S)
+                except TimeoutError:
+                    log.info("%s step carrying %s still in flight on %s after %g s; releasing anyway", self.kind,
+                             session.session_id, address, RELEASE_TIMEOUT_S)
+            replica = self.pool.replicas.get(address)
+            if replica is not None and address != session.replica:
+                await self._release_on(replica, session.session_id)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
 
 class DraftClient(WorkerClient):
@@ -364,10 +636,12 @@ class TargetClient(WorkerClient):
         if batcher is not None:
             batcher.forget(session.key)
 
-    def __init__(self, *args, prefill_chunk: int = 256, **kwargs):
+    def __init__(self, *args, prefill_chunk: int = 256, hedging: HedgePolicy | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         # Longest run of committed tokens one round sends while batching (see verify).
         self.prefill_chunk = prefill_chunk
+        if hedging is not None and hedging.enabled:
+            self.hedger = Hedger(hedging)
         self.costs: dict[str, StepCostModel] = {}
         # The draft head the target workers run next to the target (WorkerInfo.head; "": none):
         # as the first replica reported it, and per replica address as each joined.

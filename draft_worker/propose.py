@@ -80,6 +80,7 @@ class Proposer:
             else:
                 ready.append((i, synced, features))
         if ready:
+            sessions = [synced.session for _, synced, _ in ready]
             try:
                 if self.feature_size:
                     proposals = self.drafter.propose_batch([s for _, s, _ in ready], [requests[i].k for i, _, _ in ready],
@@ -96,6 +97,10 @@ class Proposer:
             for (i, synced, _), proposal in zip(ready, proposals):
                 # A drafter lacking the features it must feed asks for them (Resync).
                 results[i] = proposal if isinstance(proposal, Resync) else Proposal(proposal, elapsed)
+            # What each session holds after its step, before the budget is enforced on the
+            # store's total (a released one counts for nothing).
+            for session in sessions:
+                self.store.account(session, self.drafter.held_bytes(session))
             for _, synced, _ in ready:
                 self.store.enforce_budget(keep=synced.session.session_id)
         return BatchOutcome(results, time.perf_counter() - began)

@@ -8,26 +8,28 @@ import grpc
 
 from specdec.eagle.policy import EagleDrafter
 from draft_worker.drafters.model import ModelDrafter
-from draft_worker.drafters.ngram import NgramDrafter
+from draft_worker.drafters.ngram import ID_BYTES, NgramDrafter
 from draft_worker.propose import Proposer, Request
 from specdec import logs, metrics
 from specdec.config import WorkerConfig
 from specdec.runtime.load import serving_lm
+from specdec.runtime.precision import serving_dtype
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec import eagle
 from specdec.eagle.checkpoint import is_eagle_dir
-from specdec.models import NGRAM, load_model, load_tokenizer, vocab_hash
-from specdec.serving import ModelThread, RunningServer, start_server
+from specdec.models import NGRAM, load_model, load_tokenizer, vocab_hash, weights_dtype
+from specdec.serving import ModelThread, RunningServer, start_server, start_worker_upkeep, step_and_observe
 from specdec.sessions import Resync, SessionStore
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.worker_info import DEFAULT_MAX_BATCH_ROUNDS, SessionWorkerRpcs, model_info, round_error
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
-NGRAM_TOKEN_BYTES = 8  # one Python int per context token, roughly
 
 
 class DraftWorkerServicer(SessionWorkerRpcs, draft_pb2_grpc.DraftWorkerServicer):
+    kind = "draft"
+
     def __init__(self, proposer: Proposer, info: common_pb2.WorkerInfo, thread: ModelThread | None = None):
         self.proposer = proposer
         self.store = proposer.store
@@ -61,11 +63,9 @@ class DraftWorkerServicer(SessionWorkerRpcs, draft_pb2_grpc.DraftWorkerServicer)
             raise InvalidArgument(f"rounds: {len(request.rounds)} exceeds the limit of {self.max_batch_rounds}")
         requests = [Request(r.delta.session_id, r.delta.start, list(r.delta.tokens), r.k, (r.feature_start, r.features))
                     for r in request.rounds]
-        evictions = self.store.evictions
         with metrics.worker_call("draft", "ProposeBatch", len(requests)):
-            outcome = await self.thread.run(self.proposer.propose_batch, requests)
+            outcome = await self.thread.run(step_and_observe, self.proposer.propose_batch, requests, "draft", self.store)
         metrics.observe_batch("draft", len(requests))
-        await self.thread.run(metrics.observe_store, "draft", self.store, evictions)
         response = draft_pb2.ProposeBatchResponse(step_s=outcome.step_s)
         for r, result in zip(request.rounds, outcome.results):
             # Each round is logged under its own request's id (the call carries many).
@@ -91,13 +91,15 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> DraftWor
     thread = ModelThread("draft")
     if config.model == NGRAM and model is None:
         drafter = NgramDrafter()
-        info = common_pb2.WorkerInfo(model=NGRAM)
-        bytes_per_token = NGRAM_TOKEN_BYTES
+        info = common_pb2.WorkerInfo(model=NGRAM, fingerprint=drafter.fingerprint)
+        bytes_per_token = ID_BYTES
     elif isinstance(model, eagle.EagleHead) or (model is None and is_eagle_dir(config.model)):
         def load_head():
             # A head reads the target's embeddings: loading it loads them (by its config's
-            # target spec), and the target's tokenizer is the one it shares.
-            head = model if model is not None else eagle.load(config.model)
+            # target spec, on this worker's device, in its dtype), and the target's tokenizer
+            # is the one it shares.
+            head = model if model is not None else eagle.load(
+                config.model, dtype=serving_dtype(config.dtype, config.device), device=config.device)
             if head.config.aux_layers:
                 raise FailedPrecondition(
                     f"{config.model!r} reads the target's layers {head.config.aux_layers} besides its final hidden "
@@ -108,7 +110,9 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> DraftWor
                                          model_vocab_size=int(head.embed.shape[0]),
                                          max_context=head.config.max_position_embeddings,
                                          tokenizer_vocab_size=len(loaded_tokenizer),
-                                         vocab_hash=vocab_hash(loaded_tokenizer))
+                                         vocab_hash=vocab_hash(loaded_tokenizer),
+                                         fingerprint=eagle.fingerprint(head), dtype=weights_dtype(head))
+            log.info("serving head %s: %s weights, fingerprint %s", config.model, info.dtype, info.fingerprint)
             return head, info
 
         head, info = thread.call(load_head)
@@ -118,23 +122,25 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> DraftWor
         bytes_per_token = drafter.bytes_per_token
     else:
         def load():
-            loaded, loaded_tokenizer = (model, tokenizer) if model is not None else load_model(config.model,
-                                                                                              device=config.device)
+            loaded, loaded_tokenizer = (model, tokenizer) if model is not None else load_model(
+                config.model, dtype=serving_dtype(config.dtype, config.device), device=config.device)
             return serving_lm(loaded, config.cpu_fast_path), model_info(config.model, loaded, loaded_tokenizer)
 
         lm, info = thread.call(load)
         drafter = ModelDrafter(config.model, lm)
         bytes_per_token = lm.bytes_per_token
     info.max_batch_rounds = config.max_batch_rounds
-    store = SessionStore(config.max_sessions, config.max_cache_bytes, bytes_per_token)
+    store = SessionStore(config.max_sessions, config.max_cache_bytes, bytes_per_token, config.session_ttl_s)
     return DraftWorkerServicer(Proposer(drafter, store, config.max_k), info, thread)
 
 
 async def serve(config: WorkerConfig, servicer: DraftWorkerServicer | None = None) -> RunningServer:
     servicer = servicer or build_servicer(config)
-    return await start_server(
+    running = await start_server(
         config.server,
         lambda server: draft_pb2_grpc.add_DraftWorkerServicer_to_server(servicer, server),
         [SERVICE_NAME],
         on_stop=servicer.thread.shutdown,
     )
+    start_worker_upkeep(running, servicer.thread, servicer.store, "draft", config.stall_timeout_s)
+    return running

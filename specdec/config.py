@@ -3,9 +3,10 @@ variables named on each flag) in specdec.cli — the one place that reads them."
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from specdec.errors import FailedPrecondition
 from specdec.security.tls import ClientTLS, ServerTLS
 
 DEFAULT_COORDINATOR_PORT = 50051
@@ -13,6 +14,9 @@ DEFAULT_TARGET_PORT = 50052
 DEFAULT_DRAFT_PORT = 50053
 DEFAULT_K = 4
 MAX_K = 16
+# --dtype: the weights' element type (specdec.runtime.precision); "auto": bfloat16 on CUDA,
+# float32 elsewhere. Logits are float32 whatever it is.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -29,6 +33,10 @@ class ServerConfig:
     """Largest gRPC message accepted or sent."""
     metrics_port: int | None = None
     """Port of the Prometheus /metrics endpoint; None: no endpoint."""
+    health_port: int | None = None
+    """Port of a second, plaintext listener serving only the standard health service (the
+    same statuses), for probes that cannot speak TLS (the kubelet's); None: none; 0: a free
+    port."""
     tls: ServerTLS = field(default_factory=ServerTLS)
     """Certificate and key (TLS), and the client CA (mutual TLS); unset: plaintext."""
     insecure: bool = False
@@ -51,6 +59,10 @@ class WorkerConfig:
     """Most draft tokens per round."""
     device: str = "cpu"
     """Torch device for the model."""
+    dtype: str = "auto"
+    """Element type of the weights loaded by spec (model, draft model, head), one of DTYPES;
+    "auto": bfloat16 on CUDA, float32 elsewhere. A model handed to the worker in memory is
+    served as it is. Logits are float32 either way (specdec.runtime.precision)."""
     max_batch_rounds: int = 64
     """Most rounds (sessions) one VerifyBatch / ProposeBatch call may carry."""
     cpu_fast_path: bool = True
@@ -68,6 +80,13 @@ class WorkerConfig:
     """Target only: a head next to the target also proposes its second choice at a depth of
     its chain where its probability of being right is at least this, scored as a tree leaf
     in the same verification pass (target_worker.verify); 1 or more: never."""
+    session_ttl_s: float = 300.0
+    """A session no round has touched for this many seconds is freed (its coordinator is
+    most likely gone); a later round of it resyncs as after an eviction. 0: never."""
+    stall_timeout_s: float = 30.0
+    """Health goes NOT_SERVING, and model calls are refused UNAVAILABLE, while the model
+    thread has work and finishes no step for this many seconds; SERVING again once a step
+    finishes. 0: no watchdog."""
 
 
 @dataclass
@@ -88,6 +107,11 @@ class CoordinatorConfig:
     """Largest k a request may ask for."""
     worker_tls: ClientTLS | None = None
     """How to reach TLS workers: their CA, and this coordinator's client cert (mTLS)."""
+    target_tls_server_name: str | None = None
+    """The name every target replica's certificate must cover, whatever address it is dialed
+    at (replicas behind a headless Service are dialed by pod IP); None: the address dialed."""
+    draft_tls_server_name: str | None = None
+    """The same for the draft replicas."""
     auth_token_file: Path | None = None
     """File of accepted bearer tokens, one per line, re-read when it changes; None (and no
     SPECDEC_AUTH_TOKENS): no authentication."""
@@ -121,6 +145,31 @@ class CoordinatorConfig:
     """How often endpoint names are re-resolved, so replicas that come and go are seen."""
     health_interval_s: float = 1.0
     """How often every replica's health service is polled."""
+    worker_keepalive_s: float = 10.0
+    """The worker channels ping a worker after this long without hearing from it (gRPC
+    keepalive, at least 1 s); 0: no keepalive pings."""
+    worker_keepalive_timeout_s: float = 5.0
+    """A ping unanswered this long closes the connection and fails its calls UNAVAILABLE, so
+    a silent partition ends a call within keepalive + this, not at worker_timeout_s."""
+    eject_after_failures: int = 5
+    """A replica taken out this many times in a row, with no successful round between, is
+    ejected (outlier ejection, coordinator.pool.EjectionPolicy); 0: never."""
+    eject_base_s: float = 30.0
+    """The first ejection's length; the n-th lasts n times this."""
+    eject_max_s: float = 300.0
+    """The longest ejection."""
+    max_ejected_percent: float = 50.0
+    """Most replicas of a kind ejected at once, in percent; the last serving one never is."""
+    hedge_percentile: float = 0.0
+    """A target round unanswered past this percentile of the pool's recent round latencies
+    (times hedge_factor, at least hedge_min_s) also goes to a second replica, and the first
+    answer wins (coordinator.hedging); 0: no hedging."""
+    hedge_factor: float = 1.0
+    """The hedge delay is the percentile times this."""
+    hedge_min_s: float = 0.05
+    """The shortest hedge delay, in seconds."""
+    hedge_max_share: float = 0.1
+    """Most target calls hedged, as a share of the pool's recent calls."""
     batching: bool = True
     """Continuous batching: rounds of many requests go to a worker as one batched step
     (coordinator.scheduler); False: one call per round."""
@@ -135,3 +184,13 @@ class CoordinatorConfig:
     host, TLS and tokens; None: no HTTP API; 0: a free port (the CLI's 0 means None)."""
     served_model_name: str | None = None
     """The model name the HTTP API answers to and lists; None: the target worker's model spec."""
+
+    def worker_channel_tls(self, kind: str) -> ClientTLS | None:
+        """worker_tls for the `kind` ("target" or "draft") replicas, with the name their
+        certificates are checked against; FailedPrecondition for a name without worker TLS."""
+        name = self.target_tls_server_name if kind == "target" else self.draft_tls_server_name
+        if not name:
+            return self.worker_tls
+        if self.worker_tls is None or not self.worker_tls.enabled:
+            raise FailedPrecondition(f"--{kind}-tls-server-name {name} needs TLS to the workers: give --worker-ca")
+        return replace(self.worker_tls, server_name=name)

@@ -20,7 +20,9 @@ WORKER_SECONDS = Histogram(
     "specdec_worker_request_seconds", "Propose/Verify latency on the worker, queueing included",
     ["kind", "method"], buckets=LATENCY_BUCKETS,
 )
-WORKER_CACHE_BYTES = Gauge("specdec_worker_cache_bytes", "KV-cache bytes held over all sessions", ["kind"])
+WORKER_CACHE_BYTES = Gauge("specdec_worker_cache_bytes",
+                           "Bytes the sessions' caches keep allocated (buffer capacity, a head's state), "
+                           "what --max-cache-mb bounds", ["kind"])
 WORKER_SESSIONS = Gauge("specdec_worker_sessions", "Sessions whose cache the worker holds", ["kind"])
 WORKER_EVICTIONS = Counter("specdec_worker_cache_evictions_total", "Sessions evicted (LRU) to stay in budget",
                            ["kind"])
@@ -29,6 +31,12 @@ POSITION_PROPOSED = Counter("specdec_position_proposed_total", "Draft tokens pro
 POSITION_ACCEPTED = Counter("specdec_position_accepted_total", "Draft tokens accepted at each block position",
                             ["position"])
 WORKER_RESYNCS = Counter("specdec_worker_resyncs_total", "Rounds answered with a resync request", ["kind"])
+WORKER_SESSIONS_EXPIRED = Counter("specdec_worker_sessions_expired_total",
+                                  "Sessions freed after --session-ttl seconds without a round", ["kind"])
+WORKER_STALLED = Gauge("specdec_worker_model_stalled",
+                       "1 while the model thread has work but finished no step for --stall-timeout seconds "
+                       "(health NOT_SERVING)", ["kind"])
+WORKER_STALLS = Counter("specdec_worker_model_stalls_total", "Times the model thread was found stalled", ["kind"])
 COORDINATOR_ACTIVE = Gauge("specdec_coordinator_active_requests", "Generate streams being served now")
 REQUESTS = Counter("specdec_coordinator_requests_total", "Generate requests by final status", ["status"])
 GENERATED_TOKENS = Counter("specdec_generated_tokens_total", "Tokens streamed to clients")
@@ -46,7 +54,19 @@ WORKER_BATCH_ROUNDS = Histogram("specdec_worker_batch_rounds", "Sessions' rounds
                                 buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64))
 WORKER_BATCH_ROWS = Histogram("specdec_worker_batch_rows", "Tokens run through the model per batched step", ["kind"],
                               buckets=(1, 4, 8, 16, 32, 64, 128, 256, 512, 1024))
+REPLICAS_REFUSED = Counter("specdec_replicas_refused_total",
+                           "Worker replicas the coordinator refused to admit (never given a round), by why: "
+                           "vocabulary, shape, features, weights, head_weights", ["role", "reason"])
 COORDINATOR_QUEUED = Gauge("specdec_coordinator_queued_rounds", "Rounds waiting for the next worker step", ["kind"])
+REPLICA_EJECTIONS = Counter("specdec_replica_ejections_total",
+                            "Worker replicas ejected after consecutive failed calls (outlier ejection)", ["role"])
+REPLICAS_EJECTED = Gauge("specdec_replicas_ejected", "Worker replicas ejected now (outlier ejection)", ["role"])
+HEDGED_ROUNDS = Counter("specdec_hedged_rounds_total",
+                        "Target rounds also sent to a second replica after going unanswered past the hedge delay, "
+                        "by whose answer was used: won (the hedge's) or lost (the first call's)", ["outcome"])
+HEDGES_SKIPPED = Counter("specdec_hedges_skipped_total",
+                         "Target rounds unanswered past the hedge delay but not hedged, by why: budget, deadline, "
+                         "no_replica", ["reason"])
 TTFT = Histogram("specdec_ttft_seconds", "Time from request to first token", buckets=LATENCY_BUCKETS)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -183,3 +184,94 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 def max_context(model) -> int:
     return int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+
+
+# --- the weights fingerprint ------------------------------------------------------------
+# Changing how the fingerprint is computed changes every fingerprint: say so in the version.
+FINGERPRINT_VERSION = b"specdec-weights-v1\n"
+# A tensor of at most this many elements is hashed whole; a larger one is checksummed in rows
+# of this many elements (part of the definition: changing it changes every fingerprint).
+FINGERPRINT_ROW = 1 << 16
+# Config entries that describe how a model runs or was saved, not what it computes.
+UNFINGERPRINTED_CONFIG = {"transformers_version", "dtype", "torch_dtype", "use_cache", "output_attentions",
+                          "output_hidden_states", "return_dict"}
+_INTEGER_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint_config(model) -> dict:
+    """A Hugging Face model's config as the fingerprint reads it: every entry but the private
+    ones (`_name_or_path`, the attention implementation, ...) and UNFINGERPRINTED_CONFIG."""
+    config = model.config.to_dict()
+    return {k: v for k, v in config.items() if not k.startswith("_") and k not in UNFINGERPRINTED_CONFIG}
+
+
+def weights_dtype(module: torch.nn.Module) -> str:
+    """The element type of a module's floating-point weights ("float32", "bfloat16", ...)."""
+    for tensor in module.parameters():
+        if tensor.is_floating_point():
+            return str(tensor.dtype).removeprefix("torch.")
+    return ""
+
+
+@torch.no_grad()
+def weights_fingerprint(module: torch.nn.Module, config: dict) -> str:
+    """Hex SHA-256 identifying the weights a module computes with: `config` (JSON, sorted
+    keys), then every parameter and buffer, sorted by name, as its name, shape, dtype and
+    content. The same checkpoint loaded in the same dtype gives the same fingerprint on any
+    machine and device; another checkpoint, a fine-tune or another dtype gives another.
+
+    Content: a tensor of at most FINGERPRINT_ROW elements is hashed byte for byte. A larger
+    one is checksummed where it lives (a GPU model on its GPU: only one integer per row
+    crosses to the host): its elements, read as integers of their width (signed; unsigned
+    for 1 byte), go in rows of FINGERPRINT_ROW, each row gives the sum of x_j * (2j + 1)
+    over its elements modulo 2^32 (2^64 for 8-byte elements), and the rows' sums are hashed
+    in order. Integer arithmetic modulo a power of two does not depend on the order of the
+    additions, so every device gets the same sums.
+
+    What it detects: every element is read, so any fine-tune, and also any change to a
+    single element (its weight 2j + 1 is odd, so the sum changes with it) — which a
+    strided sample of a large tensor, cheaper still, would miss when the change is confined
+    to a few elements of a huge tensor. What it gives up is cryptographic strength on large
+    tensors: a row's sum is linear, so several changes within a row made to cancel keep it.
+    It tells checkpoints apart; it does not authenticate them.
+
+    Tensors that share storage (tied embeddings) are read once."""
+    digest = hashlib.sha256(FINGERPRINT_VERSION)
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
+    named = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    contents: dict[tuple, bytes] = {}
+    odd: dict[tuple, torch.Tensor] = {}  # the weights 1, 3, 5, … of a row, by device and width
+    for name, tensor in sorted(named, key=lambda item: item[0]):
+        digest.update(f"\n{name}\t{tuple(tensor.shape)}\t{tensor.dtype}\n".encode())
+        key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+        if key not in contents:
+            contents[key] = _content_digest(tensor.detach(), odd)
+        digest.update(contents[key])
+    return digest.hexdigest()
+
+
+def _content_digest(tensor: torch.Tensor, odd: dict[tuple, torch.Tensor]) -> bytes:
+    flat = tensor.reshape(-1).contiguous()
+    if flat.numel() <= FINGERPRINT_ROW:
+        return hashlib.sha256(flat.view(torch.uint8).cpu().numpy().tobytes()).digest()
+    size = flat.element_size()
+    if size not in _INTEGER_VIEW:  # complex128: its 8-byte halves
+        flat, size = flat.view(torch.uint8).view(torch.int64), 8
+    ints = flat.view(_INTEGER_VIEW[size])
+    # Products and sums wrap at the working width: no widening copy of the weights.
+    work = torch.int64 if size == 8 else torch.int32
+    weights = odd.get((ints.device, work))
+    if weights is None:
+        weights = odd[(ints.device, work)] = torch.arange(1, 2 * FINGERPRINT_ROW, 2, device=ints.device).to(work)
+    full = ints.numel() // FINGERPRINT_ROW
+    # Rows per step: bounds the temporaries (a few MiB on a CPU; on an accelerator, tens, for
+    # fewer kernel launches).
+    step = 4 if ints.device.type == "cpu" else 256
+    sums = []
+    for first in range(0, full, step):
+        rows = ints[first * FINGERPRINT_ROW:min(first + step, full) * FINGERPRINT_ROW].view(-1, FINGERPRINT_ROW)
+        sums.append((rows.to(work) * weights).sum(dim=1, dtype=work))
+    tail = ints[full * FINGERPRINT_ROW:]
+    if tail.numel():
+        sums.append((tail.to(work) * weights[:tail.numel()]).sum(dtype=work).view(1))
+    return torch.cat(sums).cpu().numpy().astype("<i8" if size == 8 else "<i4").tobytes()

@@ -7,8 +7,11 @@ import grpc
 
 import logging
 
+from specdec import metrics
 from specdec.errors import FailedPrecondition, SpecdecError
-from specdec.models import eos_token_ids, max_context, vocab_hash
+from specdec.models import (
+    eos_token_ids, fingerprint_config, max_context, vocab_hash, weights_dtype, weights_fingerprint,
+)
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -28,14 +31,20 @@ def round_error(exc: BaseException, request_id: str = "") -> common_pb2.RoundErr
 
 
 def model_info(spec: str, model, tokenizer) -> common_pb2.WorkerInfo:
-    return common_pb2.WorkerInfo(
+    """What a worker serving `model` (as loaded, not its serving copy) reports, its weights
+    fingerprint included (taken here, once, at load)."""
+    info = common_pb2.WorkerInfo(
         model=spec,
         tokenizer_vocab_size=len(tokenizer),
         vocab_hash=vocab_hash(tokenizer),
         model_vocab_size=int(model.get_output_embeddings().weight.shape[0]),
         max_context=max_context(model),
         eos_token_ids=eos_token_ids(model, tokenizer),
+        fingerprint=weights_fingerprint(model, fingerprint_config(model)),
+        dtype=weights_dtype(model),
     )
+    log.info("serving %s: %s weights, fingerprint %s", spec, info.dtype, info.fingerprint)
+    return info
 
 
 def check_compatible(target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo | None,
@@ -56,12 +65,20 @@ def check_compatible(target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo
 
 class SessionWorkerRpcs:
     """Release and GetInfo, the same on both workers. Mixed into each worker's servicer,
-    which provides `store` (SessionStore), `thread` (ModelThread) and `_info`."""
+    which provides `kind` ("target" or "draft", its metrics label), `store` (SessionStore),
+    `thread` (ModelThread) and `_info`."""
 
     async def Release(self, request: common_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.ReleaseResponse:
-        released = await self.thread.run(self.store.release, request.session_id)
+        released = await self.thread.run(self._release, request.session_id)
         return common_pb2.ReleaseResponse(released=released)
+
+    def _release(self, session_id: str) -> bool:
+        # On the model thread, which owns the store; the cache gauges drop what it freed.
+        released = self.store.release(session_id)
+        if released:
+            metrics.observe_store(self.kind, self.store, self.store.evictions)
+        return released
 
     async def GetInfo(self, request: common_pb2.WorkerInfoRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.WorkerInfo:

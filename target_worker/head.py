@@ -16,7 +16,8 @@ draft token exactly as it verifies a draft worker's.
 Per target session the head keeps its own session (its cache and the ids fed to it) and the
 features of committed positions it has not yet been fed: rounds that ask for no draft
 (a paused request, `--no-speculation`) only record them, and the next drafting round feeds
-them all. The state lives on the target's session, so eviction drops both together, and a
+them all. The state lives on the target's session, so eviction drops both together, its
+bytes count toward the session's under the worker's cache budget (`held_bytes`), and a
 session rebuilt from position 0 rebuilds the head's. Should the features ever have a gap
 (a session continued without its earlier positions), the head state is dropped and that
 session gets no drafts until it is rebuilt from 0: drafts only ever cost speed.
@@ -28,6 +29,7 @@ its draft tokens are that draft or a prefix of it (target_worker.verify).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +37,10 @@ import torch
 from specdec import eagle
 from specdec.eagle.policy import MIN_ALT_PROB, MIN_CHAIN_PROB, EagleDrafter, Features
 from specdec.errors import InvalidArgument
+from specdec.runtime.memory import cache_held_bytes, storage_bytes
 from specdec.sessions import Resync, Session, SyncedContext, common_prefix_len
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,9 +55,10 @@ class HeadState:
 
 
 class InlineHead:
-    def __init__(self, drafter: EagleDrafter):
+    def __init__(self, drafter: EagleDrafter, fingerprint: str = ""):
         self.drafter = drafter
         self.name = drafter.name
+        self.fingerprint = fingerprint  # of the head as loaded (specdec.eagle.fingerprint)
         self.hidden_size = drafter.head.config.hidden_size  # the target's, which the head predicts
         self.aux_layers = tuple(drafter.head.config.aux_layers)  # target layers it also reads
         self.feature_size = drafter.feature_size  # what record() takes per position
@@ -76,6 +82,15 @@ class InlineHead:
             state.start, state.rows = start, rows
             return
         state.rows = torch.cat([state.rows[:start - state.start], rows])
+
+    @staticmethod
+    def held_bytes(session: Session) -> int:
+        """The bytes the head's state for `session` keeps allocated: its KV cache and the
+        storage behind the features it has not yet been fed (specdec.runtime.memory)."""
+        state = session.head
+        if state is None:
+            return 0
+        return cache_held_bytes(state.session.cache) + storage_bytes((state.rows,))
 
     def draft(self, session: Session, context: list[int], k: int) -> list[int]:
         """Up to k draft tokens continuing `context` (the committed sequence, its last token
@@ -111,18 +126,23 @@ class InlineHead:
 def load_inline_head(spec: str | None, target, head=None, fast: bool = True,
                      min_chain_prob: float | None = None, min_alt_prob: float | None = None) -> InlineHead | None:
     """The head named by `spec` (a head directory or built-in name), or the given EagleHead,
-    on top of the loaded `target` model; None when neither is given."""
+    on top of the loaded `target` model, on its device (a head loaded here: in its dtype too);
+    None when neither is given."""
     if head is None and not spec:
         return None
     if head is None:
         if not eagle.is_eagle_dir(spec):
             raise InvalidArgument(f"--head {spec!r} is not a feature-level head directory (config.json with "
                                   f"specdec_draft: {eagle.KIND!r})")
-        head = eagle.load(spec, target=target)
+        # In the target's dtype: it reads the target's hidden states as they are computed.
+        head = eagle.load(spec, target=target, dtype=next(target.parameters()).dtype)
     # The head reads the states the target's verification just computed: it runs where they are.
     head = head.to(next(target.parameters()).device)
+    fingerprint = eagle.fingerprint(head)  # of the head itself, before any packed serving copy
+    log.info("head %s: fingerprint %s", spec or "head", fingerprint)
     if fast:
         head = eagle.fast_cpu_head(head)
     chain = MIN_CHAIN_PROB if min_chain_prob is None else min_chain_prob
     alternative = MIN_ALT_PROB if min_alt_prob is None else min_alt_prob
-    return InlineHead(EagleDrafter(spec or "head", head, min_chain_prob=chain, min_alt_prob=alternative))
+    return InlineHead(EagleDrafter(spec or "head", head, min_chain_prob=chain, min_alt_prob=alternative),
+                      fingerprint)

@@ -9,9 +9,10 @@ import grpc
 from specdec import logs, metrics
 from specdec.config import WorkerConfig
 from specdec.runtime.load import serving_lm
+from specdec.runtime.precision import serving_dtype
 from specdec.models import load_model
 from specdec.sampling import Sampling
-from specdec.serving import ModelThread, RunningServer, start_server
+from specdec.serving import ModelThread, RunningServer, start_server, start_worker_upkeep, step_and_observe
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.sessions import Resync, SessionStore
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -24,6 +25,8 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetWorker"].full_name
 
 
 class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServicer):
+    kind = "target"
+
     def __init__(self, verifier: Verifier, info: common_pb2.WorkerInfo, thread: ModelThread | None = None):
         self.verifier = verifier
         self.store = verifier.store
@@ -60,11 +63,9 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
                         Sampling.from_proto(r.sampling if r.HasField("sampling") else None), r.return_features,
                         r.draft_next)
                   for r in request.rounds]
-        evictions = self.store.evictions
         with metrics.worker_call("target", "VerifyBatch", len(rounds)):
-            outcome = await self.thread.run(self.verifier.verify_batch, rounds)
+            outcome = await self.thread.run(step_and_observe, self.verifier.verify_batch, rounds, "target", self.store)
         metrics.observe_batch("target", len(rounds), outcome.rows)
-        await self.thread.run(metrics.observe_store, "target", self.store, evictions)
         response = target_pb2.VerifyBatchResponse(step_s=outcome.step_s, rows=outcome.rows)
         for r, result in zip(request.rounds, outcome.results):
             # Each round is logged under its own request's id (the call carries many).
@@ -98,8 +99,8 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None, head=None) 
     thread = ModelThread("target")
 
     def load():
-        loaded, loaded_tokenizer = (model, tokenizer) if model is not None else load_model(config.model,
-                                                                                          device=config.device)
+        loaded, loaded_tokenizer = (model, tokenizer) if model is not None else load_model(
+            config.model, dtype=serving_dtype(config.dtype, config.device), device=config.device)
         inline = load_inline_head(config.head, loaded, head, fast=config.cpu_fast_path,
                                   min_chain_prob=config.min_chain_prob, min_alt_prob=config.min_alt_prob)
         return (serving_lm(loaded, config.cpu_fast_path), model_info(config.model, loaded, loaded_tokenizer),
@@ -119,16 +120,19 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None, head=None) 
             raise FailedPrecondition(f"head {inline.name!r} reads the outputs of layers {missing}, but target "
                                      f"{config.model!r} has {lm.num_layers} layers: it was trained for another target")
         info.head = inline.name
+        info.head_fingerprint = inline.fingerprint
         bytes_per_token += inline.bytes_per_token
-    store = SessionStore(config.max_sessions, config.max_cache_bytes, bytes_per_token)
+    store = SessionStore(config.max_sessions, config.max_cache_bytes, bytes_per_token, config.session_ttl_s)
     return TargetWorkerServicer(Verifier(lm, store, config.max_k, inline), info, thread)
 
 
 async def serve(config: WorkerConfig, servicer: TargetWorkerServicer | None = None) -> RunningServer:
     servicer = servicer or build_servicer(config)
-    return await start_server(
+    running = await start_server(
         config.server,
         lambda server: target_pb2_grpc.add_TargetWorkerServicer_to_server(servicer, server),
         [SERVICE_NAME],
         on_stop=servicer.thread.shutdown,
     )
+    start_worker_upkeep(running, servicer.thread, servicer.store, "target", config.stall_timeout_s)
+    return running

@@ -155,6 +155,7 @@ class Verifier:
         began = time.perf_counter()
         results: list[Verdict | Resync | BaseException | None] = [None] * len(rounds)
         blocks = self._prepare(rounds, results)
+        fed = [block.session for block in blocks]
         rows = sum(len(block.fed) for block in blocks)
         try:
             scores = self._score(blocks)
@@ -165,11 +166,21 @@ class Verifier:
             blocks, scores = [], []
         for block, score in zip(blocks, scores):
             results[block.index] = self._conclude(block, score)
+        # What each session holds after its step (fed, rolled back, or forgotten on a
+        # failure), before the budget is enforced on the store's total.
+        for session in fed:
+            self.store.account(session, self.held_bytes(session))
         for block in blocks:
             self.store.enforce_budget(keep=block.session.session_id)
         step_s = time.perf_counter() - began
         results = [dataclasses.replace(r, compute_s=step_s) if isinstance(r, Verdict) else r for r in results]
         return BatchOutcome(results, step_s, rows)
+
+    def held_bytes(self, session: Session) -> int:
+        """The bytes `session` keeps allocated on this worker: the target's KV cache
+        (CausalLM.held_bytes) and, with a head here, the head's state for it."""
+        held = self.lm.held_bytes(session)
+        return held + self.head.held_bytes(session) if self.head is not None else held
 
     def _prepare(self, rounds: list[Round], results: list) -> list[_Block]:
         """Validates and syncs every round: one that fails or must resync gets its result here,
@@ -257,7 +268,9 @@ class Verifier:
         fed_committed = block.chain_len - len(block.round.drafts)
         if leaf is not None:
             states = torch.cat([states[:fed_committed + accepted], states[block.chain_len + leaf:][:1]])
-        states = states[:fed_committed + accepted + extra].to(torch.float16).contiguous()
+        # A copy of its own even when the model computes in float16: a view would keep the
+        # whole step's states alive for as long as the head holds these rows.
+        states = states[:fed_committed + accepted + extra].to(torch.float16, copy=True).contiguous()
         return block.context_len - fed_committed, states
 
     def _head_round(self, block: _Block, feature_start: int, states: torch.Tensor, accepted: int, next_token: int,

@@ -122,13 +122,14 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def running_cluster(target_model, tokenizer, draft, hosts: list[str], resolver=None,
-                          target_spec: str | None = None, **coordinator_options):
+                          target_spec: str | None = None, target_options=None, **coordinator_options):
     """One target and one draft replica on each loopback host (127.0.0.2, 127.0.0.3, ...),
-    and a coordinator given every replica (or `target_spec`, e.g. a name for `resolver`)."""
+    and a coordinator given every replica (or `target_spec`, e.g. a name for `resolver`);
+    target_options: WorkerConfig fields of every target replica."""
     targets, drafts = [], []
     try:
         for host in hosts:
-            targets.append(await start_target(target_model, tokenizer, host=host))
+            targets.append(await start_target(target_model, tokenizer, host=host, **(target_options or {})))
             drafts.append(await start_draft(draft, tokenizer, host=host))
         config = CoordinatorConfig(
             target_addr=target_spec or ",".join(t[0].address for t in targets),

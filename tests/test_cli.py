@@ -165,6 +165,7 @@ def test_generate_json_output_equals_target_alone(up, model_dirs):
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert set(out) >= {"text", "token_ids", "stats"} and set(out["stats"]) >= STATS_KEYS
+    assert out["stats"]["resumes"] == 0
     tokenizer = AutoTokenizer.from_pretrained(model_dirs["target"])
     model = AutoModelForCausalLM.from_pretrained(model_dirs["target"]).eval()
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "The quick brown fox"}],
@@ -191,6 +192,18 @@ def test_failed_generate_exits_nonzero_with_status_on_stderr(up):
 def test_generate_without_a_server_says_unavailable():
     result = specdec("generate", "--addr", f"127.0.0.1:{free_port()}", "hi")
     assert result.returncode != 0 and result.stderr.startswith("UNAVAILABLE")
+
+
+def test_generate_resumes_unless_told_not_to():
+    """Without a server every attempt fails UNAVAILABLE: by default generate tries again
+    with back-off (the resume path), with --no-resume it gives up at once."""
+    timings = {}
+    for flag in ([], ["--no-resume"]):
+        began = time.perf_counter()
+        result = specdec("generate", "--addr", f"127.0.0.1:{free_port()}", *flag, "hi")
+        timings[bool(flag)] = time.perf_counter() - began
+        assert result.returncode != 0 and result.stderr.startswith("UNAVAILABLE")
+    assert timings[False] > timings[True] + 0.3  # five back-offs of up to 0.2 s x 2^n
 
 
 def test_up_refuses_a_draft_with_another_tokenizer(model_dirs):
@@ -240,3 +253,44 @@ def test_up_defaults_to_the_head_trained_for_the_target_else_ngram(tmp_path, mon
     assert models.default_draft(str(tmp_path / "my-model")) == "ngram"
     monkeypatch.setattr(models, "DRAFTS_DIR", tmp_path)  # an installation without the heads
     assert models.default_draft("smollm2-135m") == "ngram"
+
+
+WORKER_LINK_FIELDS = ("worker_timeout_s", "worker_retries", "retry_backoff_s", "worker_keepalive_s",
+                      "worker_keepalive_timeout_s", "eject_after_failures", "eject_base_s", "eject_max_s",
+                      "max_ejected_percent")
+
+
+@pytest.mark.parametrize("command", [["serve", "coordinator"], ["up"]])
+def test_worker_link_flags_and_variables_reach_the_coordinator_config(command, monkeypatch):
+    import dataclasses
+
+    from specdec.cli import build_parser, flags
+    from specdec.config import CoordinatorConfig
+
+    def config(*argv: str) -> tuple:
+        args = build_parser().parse_args([*command, *argv])  # variables are read as the parser is built
+        made = flags.coordinator_config(args, "target:1", None, "tokenizer")
+        return tuple(getattr(made, name) for name in WORKER_LINK_FIELDS)
+
+    defaults = {f.name: f.default for f in dataclasses.fields(CoordinatorConfig)}
+    assert config() == tuple(defaults[name] for name in WORKER_LINK_FIELDS)
+    assert config("--worker-timeout-s", "12", "--worker-retries", "2", "--worker-backoff-s", "0.5",
+                  "--worker-keepalive-s", "7", "--worker-keepalive-timeout-s", "3", "--eject-after-failures", "4",
+                  "--eject-base-s", "10", "--eject-max-s", "120",
+                  "--max-ejected-percent", "25") == (12.0, 2, 0.5, 7.0, 3.0, 4, 10.0, 120.0, 25.0)
+    for variable, value in (("SPECDEC_WORKER_TIMEOUT_S", "13"), ("SPECDEC_WORKER_RETRIES", "3"),
+                            ("SPECDEC_WORKER_BACKOFF_S", "0.3"), ("SPECDEC_WORKER_KEEPALIVE_S", "8"),
+                            ("SPECDEC_WORKER_KEEPALIVE_TIMEOUT_S", "4"), ("SPECDEC_EJECT_AFTER_FAILURES", "6"),
+                            ("SPECDEC_EJECT_BASE_S", "11"), ("SPECDEC_EJECT_MAX_S", "121"),
+                            ("SPECDEC_MAX_EJECTED_PERCENT", "26")):
+        monkeypatch.setenv(variable, value)
+    assert config() == (13.0, 3, 0.3, 8.0, 4.0, 6, 11.0, 121.0, 26.0)
+    assert config("--eject-base-s", "5")[6] == 5.0  # a flag wins over its variable
+
+
+def test_a_keepalive_workers_would_refuse_stops_the_coordinator_at_start(model_dirs):
+    result = specdec("serve", "coordinator", "--port", "0", "--http-port", "0", "--tokenizer",
+                     str(model_dirs["target"]), "--target-addr", f"127.0.0.1:{free_port()}",
+                     "--worker-keepalive-s", "0.2", timeout=60)
+    assert result.returncode == 2
+    assert "INVALID_ARGUMENT: --worker-keepalive-s must be 0 (off) or at least 1" in result.stderr

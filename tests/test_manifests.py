@@ -4,17 +4,25 @@ Every kustomization under k8s/ (the base and each overlay) is rendered with `kub
 kustomize` (kustomize is built into kubectl) and checked twice over: against the Kubernetes
 OpenAPI schemas with kubernetes-validate in strict mode (unknown fields are errors), and
 against the rules the deployment depends on (probes, drain timing, GPU placement, network
-isolation, non-root pods, autoscaling). No cluster is needed; the tests skip only when
-kubectl is not installed.
+isolation, non-root pods, autoscaling, TLS, mutual TLS and bearer tokens). dev-cpu is rendered
+from a copy of k8s/ after its make-secrets.sh has written the files its secretGenerator reads,
+as a user does. k8s/cert-manager (cert-manager's own resource kinds, which the Kubernetes
+schemas do not cover) is checked against what the gpu overlay mounts and dials. No cluster is
+needed; the tests skip only when kubectl is not installed.
 """
 
 from __future__ import annotations
 
+import base64
 import functools
+import ipaddress
+import os
 import re
 import shlex
 import shutil
 import subprocess
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +38,11 @@ KUSTOMIZATIONS = {
     "dev-cpu": K8S_DIR / "overlays" / "dev-cpu",
     "gpu": K8S_DIR / "overlays" / "gpu",
 }
+# Not an overlay: cert-manager Certificates for the Secrets the gpu overlay mounts.
+CERT_MANAGER = "cert-manager"
+ADD_ONS = {CERT_MANAGER: K8S_DIR / "cert-manager"}
+# Kustomizations whose secretGenerator reads files that this script writes first.
+DEV_SECRETS_SCRIPT = {"dev-cpu": "make-secrets.sh"}
 # The oldest Kubernetes release the manifests promise to run on, and the newest the installed
 # kubernetes-validate knows (a field removed upstream would fail there).
 KUBERNETES_VERSIONS = ("1.32", kubernetes_validate.utils.latest_version())
@@ -70,13 +83,27 @@ def _render(name: str) -> Docs:
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed: cannot render the kustomizations")
-    proc = subprocess.run(
-        [kubectl, "kustomize", str(KUSTOMIZATIONS[name])],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    with tempfile.TemporaryDirectory(prefix="specdec-k8s-") as scratch:
+        root = {**KUSTOMIZATIONS, **ADD_ONS}[name]
+        if name in DEV_SECRETS_SCRIPT:
+            # A copy, so the repository's own secrets/ (a user's) is neither read nor written.
+            copy = Path(scratch) / "k8s"
+            shutil.copytree(K8S_DIR, copy, ignore=shutil.ignore_patterns("secrets"))
+            root = copy / root.relative_to(K8S_DIR)
+            script = subprocess.run(
+                ["sh", str(root / DEV_SECRETS_SCRIPT[name])],
+                env={**os.environ, "SPECDEC": f"{sys.executable} -m specdec"},
+                capture_output=True, text=True, timeout=120, check=False,
+            )
+            if script.returncode != 0:
+                raise RuntimeError(f"{DEV_SECRETS_SCRIPT[name]} failed:\n{script.stderr}")
+        proc = subprocess.run(
+            [kubectl, "kustomize", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
     if proc.returncode != 0:
         raise RuntimeError(f"kubectl kustomize {name} failed:\n{proc.stderr}")
     return tuple(doc for doc in yaml.safe_load_all(proc.stdout) if doc)
@@ -413,6 +440,38 @@ def test_gpu_overlay_workers_run_the_cuda_image() -> None:
         assert main_container(deployment(docs, worker))["image"].endswith("-cuda"), worker
 
 
+def worker_config_of(container: dict[str, Any], monkeypatch: pytest.MonkeyPatch):
+    """The WorkerConfig `specdec` makes of a worker container: its args parsed by specdec's own
+    parser with the container's literal SPECDEC_* variables set (other references: "x")."""
+    from specdec.cli import build_parser, flags
+
+    for variable in [v for v in os.environ if v.startswith("SPECDEC_")]:
+        monkeypatch.delenv(variable)
+    for env in container.get("env", []):
+        if env["name"].startswith("SPECDEC_") and "value" in env:
+            monkeypatch.setenv(env["name"], env["value"])
+    argv = [ENV_REFERENCE.sub("x", arg) for arg in container["args"]]
+    return flags.worker_config(build_parser().parse_args(argv), "x")
+
+
+def test_gpu_overlay_workers_serve_on_cuda_in_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = _render("gpu")
+    for worker in WORKERS:
+        container = main_container(deployment(docs, worker))
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        assert env.get("SPECDEC_DEVICE") == "cuda", worker
+        assert env.get("SPECDEC_DTYPE") == "bfloat16", worker
+        config = worker_config_of(container, monkeypatch)  # no flag overrides them
+        assert (config.device, config.dtype) == ("cuda", "bfloat16"), worker
+
+
+@pytest.mark.parametrize("name", ["base", "dev-cpu"])
+def test_cpu_kustomizations_serve_on_cpu(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for worker in WORKERS:
+        config = worker_config_of(main_container(deployment(_render(name), worker)), monkeypatch)
+        assert config.device == "cpu", f"{name}: {worker}"
+
+
 def test_gpu_overlay_coordinator_runs_the_cpu_image() -> None:
     docs = _render("gpu")
     assert not main_container(deployment(docs, COORDINATOR))["image"].endswith("-cuda")
@@ -597,11 +656,12 @@ def test_resources_carry_the_recommended_labels(rendered: Docs) -> None:
             assert all(label in template for label in required), f"{where}: pod template labels"
 
 
-def test_dev_cpu_runs_one_replica_of_each_component_without_autoscalers() -> None:
+def test_dev_cpu_runs_one_worker_of_each_kind_and_two_coordinators_without_autoscalers() -> None:
     docs = _render("dev-cpu")
     assert not of_kind(docs, "HorizontalPodAutoscaler")
-    for component in COMPONENTS:
+    for component in WORKERS:
         assert deployment(docs, component)["spec"].get("replicas") == 1, component
+    assert deployment(docs, COORDINATOR)["spec"].get("replicas") == 2
 
 
 def hpa_for(docs: Docs, component: str) -> dict[str, Any]:
@@ -652,3 +712,376 @@ def test_each_deployment_has_one_disruption_budget(rendered: Docs) -> None:
             if selector_matches(b["spec"]["selector"], labels)
         ]
         assert len(budgets) == 1, f"{component}: {len(budgets)} PodDisruptionBudgets"
+
+
+def coordinator_min_replicas(docs: Docs) -> int:
+    """The fewest coordinator pods that run: its HPA's minimum, else the Deployment's count."""
+    dep = deployment(docs, COORDINATOR)
+    hpas = [
+        h
+        for h in of_kind(docs, "HorizontalPodAutoscaler")
+        if h["spec"]["scaleTargetRef"]["name"] == dep["metadata"]["name"]
+    ]
+    if hpas:
+        return hpas[0]["spec"].get("minReplicas", 1)
+    return dep["spec"].get("replicas", 1)
+
+
+def test_coordinator_runs_at_least_two_replicas(rendered: Docs) -> None:
+    assert coordinator_min_replicas(rendered) >= 2
+
+
+def test_coordinator_disruption_budget_keeps_one_serving(rendered: Docs) -> None:
+    labels = pod_labels(rendered, COORDINATOR)
+    budgets = [
+        b
+        for b in of_kind(rendered, "PodDisruptionBudget")
+        if selector_matches(b["spec"]["selector"], labels)
+    ]
+    assert len(budgets) == 1, f"{len(budgets)} PodDisruptionBudgets select the coordinator pods"
+    spec = budgets[0]["spec"]
+    if "minAvailable" in spec:
+        assert isinstance(spec["minAvailable"], int) and spec["minAvailable"] >= 1, spec
+    else:
+        unavailable = spec.get("maxUnavailable")
+        assert isinstance(unavailable, int), spec
+        assert coordinator_min_replicas(rendered) - unavailable >= 1, spec
+
+
+# --- transport security and authentication -----------------------------------------------
+
+# The Secrets the manifests mount (k8s/README.md, "Create the Secrets"); dev-cpu generates
+# them, with a content hash appended to each name.
+COORDINATOR_TLS_SECRET = "specdec-coordinator-tls"
+COORDINATOR_CLIENT_SECRET = "specdec-coordinator-client-tls"
+AUTH_TOKENS_SECRET = "specdec-auth-tokens"
+WORKER_TLS_SECRETS = {
+    "draft-worker": "specdec-draft-worker-tls",
+    "target-worker": "specdec-target-worker-tls",
+}
+SECRETS = {
+    COORDINATOR_TLS_SECRET,
+    COORDINATOR_CLIENT_SECRET,
+    AUTH_TOKENS_SECRET,
+    *WORKER_TLS_SECRETS.values(),
+}
+# The coordinator's flag naming what each worker kind's certificates are checked against.
+SERVER_NAME_FLAGS = {
+    "draft-worker": "--draft-tls-server-name",
+    "target-worker": "--target-tls-server-name",
+}
+# The label that opens the coordinator's client ports to a pod, or to a whole namespace.
+CLIENT_LABEL = {"specdec-client": "true"}
+CLIENT_PORTS = ("grpc", "http")
+DEFAULT_NAMESPACE = "default"
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+
+
+def secret_base_name(name: str) -> str:
+    """A Secret's name without the content hash a secretGenerator appends."""
+    match = HASHED_NAME.match(name)
+    return match["base"] if match and match["base"] in SECRETS else name
+
+
+def secret_file(pod: dict[str, Any], container: dict[str, Any], path: str) -> tuple[str, str] | None:
+    """(Secret name, key) of the file at `path` when a Secret volume mounted whole provides
+    it; None otherwise (another volume, no such key, or a subPath mount, which never sees the
+    Secret change)."""
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        root = mount["mountPath"].rstrip("/") + "/"
+        if not path.startswith(root):
+            continue
+        secret = volumes[mount["name"]].get("secret")
+        if secret is None or "subPath" in mount or "subPathExpr" in mount:
+            return None
+        relative = path[len(root):]
+        items = secret.get("items")
+        if items is None:
+            return secret_base_name(secret["secretName"]), relative
+        keys = [item["key"] for item in items if item["path"] == relative]
+        return (secret_base_name(secret["secretName"]), keys[0]) if keys else None
+    return None
+
+
+def flag_file(docs: Docs, component: str, option: str) -> tuple[str, str] | None:
+    """(Secret name, key) of the file a flag of the component names."""
+    dep = deployment(docs, component)
+    container = main_container(dep)
+    path = flag(container, option)
+    assert path is not None, f"{component} has no {option}"
+    return secret_file(dep["spec"]["template"]["spec"], container, path)
+
+
+def expanded_flag(dep: dict[str, Any], option: str) -> str:
+    """A flag's value as the container gets it: each $(VAR) replaced from the container's
+    env (a literal value, or the pod's namespace through the downward API)."""
+    container = main_container(dep)
+    value = flag(container, option)
+    assert value is not None, f"{dep['metadata']['name']} has no {option}"
+    known = {}
+    for var in container.get("env", []):
+        if "value" in var:
+            known[var["name"]] = var["value"]
+        elif var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.namespace":
+            known[var["name"]] = dep["metadata"].get("namespace", DEFAULT_NAMESPACE)
+
+    def substitute(ref: re.Match) -> str:
+        assert ref["name"] in known, f"{option} {value}: $({ref['name']}) is not known before the pod runs"
+        return known[ref["name"]]
+
+    return ENV_REFERENCE.sub(substitute, value)
+
+
+def service_of(docs: Docs, component: str) -> dict[str, Any]:
+    (service,) = [s for s in of_kind(docs, "Service") if component_of(s) == component]
+    return service
+
+
+def service_dns_names(service: dict[str, Any]) -> set[str]:
+    """The names cluster DNS answers for a Service (the short ones through the search path)."""
+    name = service["metadata"]["name"]
+    namespace = service["metadata"].get("namespace", DEFAULT_NAMESPACE)
+    return {
+        name,
+        f"{name}.{namespace}",
+        f"{name}.{namespace}.svc",
+        f"{name}.{namespace}.svc.cluster.local",
+    }
+
+
+def test_no_component_serves_plaintext(rendered: Docs) -> None:
+    for dep_name, _, container in containers(rendered):
+        argv = container.get("command", []) + container.get("args", [])
+        assert "--insecure" not in argv, dep_name
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        assert env.get("SPECDEC_INSECURE") != "1", dep_name
+        assert flag(container, "--tls-cert") and flag(container, "--tls-key"), f"{dep_name}: no TLS"
+
+
+def test_coordinator_serves_tls_from_its_secret(rendered: Docs) -> None:
+    assert flag_file(rendered, COORDINATOR, "--tls-cert") == (COORDINATOR_TLS_SECRET, "tls.crt")
+    assert flag_file(rendered, COORDINATOR, "--tls-key") == (COORDINATOR_TLS_SECRET, "tls.key")
+
+
+def test_coordinator_requires_bearer_tokens_from_their_secret(rendered: Docs) -> None:
+    # Mounted whole: a rotated token reaches the running coordinator, which re-reads the file.
+    assert flag_file(rendered, COORDINATOR, "--auth-token-file") == (AUTH_TOKENS_SECRET, "tokens")
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+def test_worker_serves_mutual_tls_from_its_secret(rendered: Docs, worker: str) -> None:
+    secret = WORKER_TLS_SECRETS[worker]
+    assert flag_file(rendered, worker, "--tls-cert") == (secret, "tls.crt")
+    assert flag_file(rendered, worker, "--tls-key") == (secret, "tls.key")
+    assert flag_file(rendered, worker, "--tls-client-ca") == (secret, "ca.crt")
+
+
+def test_coordinator_calls_the_workers_with_its_client_certificate(rendered: Docs) -> None:
+    for option, key in (("--worker-ca", "ca.crt"), ("--worker-cert", "tls.crt"), ("--worker-key", "tls.key")):
+        assert flag_file(rendered, COORDINATOR, option) == (COORDINATOR_CLIENT_SECRET, key), option
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+def test_coordinator_checks_worker_certificates_against_their_service_name(
+    rendered: Docs, worker: str
+) -> None:
+    # The coordinator dials each pod behind the headless Service by IP: the pod's certificate
+    # is issued for the Service's DNS name, and that name is what must be checked.
+    name = expanded_flag(deployment(rendered, COORDINATOR), SERVER_NAME_FLAGS[worker])
+    assert name in service_dns_names(service_of(rendered, worker)), f"{SERVER_NAME_FLAGS[worker]} {name}"
+
+
+def test_probes_use_the_plaintext_health_port(rendered: Docs) -> None:
+    # The kubelet's gRPC probes cannot speak TLS: they go to --health-port, where the server
+    # answers its health service alone in plaintext, never to the TLS port.
+    for dep_name, _, container in containers(rendered):
+        health = int(flag(container, "--health-port") or -1)
+        assert health == container_port(container, "health"), dep_name
+        assert health != int(flag(container, "--port") or -1), dep_name
+        for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+            assert container[probe]["grpc"]["port"] == health, f"{dep_name} {probe}"
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_no_pod_may_reach_a_health_port(rendered: Docs, component: str) -> None:
+    # The kubelet probes from the node, which NetworkPolicies do not stop on common CNIs.
+    rules = ingress_rules_to(rendered, component)
+    assert rules is not None, f"no NetworkPolicy isolates {component} pods"
+    container = main_container(deployment(rendered, component))
+    assert not any(rule_covers_port(rule, container, "health") for rule in rules), component
+
+
+def selector_is_empty(selector: dict[str, Any]) -> bool:
+    return not selector.get("matchLabels") and not selector.get("matchExpressions")
+
+
+def admits_every_source(peer: dict[str, Any]) -> bool:
+    """Whether a NetworkPolicy peer admits everyone in its reach: any address, every pod of
+    every namespace, or every pod of the policy's namespace."""
+    if "ipBlock" in peer:
+        return ipaddress.ip_network(peer["ipBlock"]["cidr"], strict=False).prefixlen == 0
+    namespaces, pods = peer.get("namespaceSelector"), peer.get("podSelector")
+    if namespaces is not None:
+        return selector_is_empty(namespaces) and (pods is None or selector_is_empty(pods))
+    return pods is not None and selector_is_empty(pods)
+
+
+def test_coordinator_client_ports_do_not_admit_every_source(rendered: Docs) -> None:
+    rules = ingress_rules_to(rendered, COORDINATOR)
+    assert rules is not None, "no NetworkPolicy isolates the coordinator pods"
+    container = main_container(deployment(rendered, COORDINATOR))
+    for port in CLIENT_PORTS:
+        for rule in rules:
+            if rule_covers_port(rule, container, port):
+                peers = rule.get("from", [])
+                assert peers and not any(admits_every_source(p) for p in peers), f"{port}: {rule}"
+
+
+def peer_admits(peer: dict[str, Any], labels: dict[str, str], namespace: dict[str, str] | None) -> bool:
+    """Whether a peer admits a pod with these labels, of a namespace with these labels (None:
+    the policy's own namespace)."""
+    if "ipBlock" in peer:
+        return False
+    if "namespaceSelector" in peer:
+        if namespace is None or not selector_matches(peer["namespaceSelector"], namespace):
+            return False
+    elif namespace is not None:
+        return False
+    return selector_matches(peer.get("podSelector", {}), labels)
+
+
+@pytest.mark.parametrize(
+    "client, labels, namespace",
+    [
+        ("a labelled pod of the namespace", {**CLIENT_LABEL, "app": "client"}, None),
+        ("a pod of a labelled namespace", {"app": "ingress"}, {**CLIENT_LABEL, NAMESPACE_NAME_LABEL: "ingress"}),
+    ],
+)
+def test_coordinator_client_ports_admit_clients_labelled_specdec_client(
+    rendered: Docs, client: str, labels: dict[str, str], namespace: dict[str, str] | None
+) -> None:
+    container = main_container(deployment(rendered, COORDINATOR))
+    rules = ingress_rules_to(rendered, COORDINATOR) or []
+    for port in CLIENT_PORTS:
+        assert any(
+            rule_covers_port(rule, container, port)
+            and (not rule.get("from") or any(peer_admits(p, labels, namespace) for p in rule["from"]))
+            for rule in rules
+        ), f"{client} cannot reach the coordinator's {port} port"
+
+
+# --- dev-cpu's generated Secrets ----------------------------------------------------------
+
+
+def rendered_secret(docs: Docs, base_name: str) -> dict[str, Any]:
+    matches = [s for s in of_kind(docs, "Secret") if secret_base_name(s["metadata"]["name"]) == base_name]
+    assert len(matches) == 1, f"{len(matches)} Secrets {base_name} rendered"
+    return matches[0]
+
+
+def certificate(secret: dict[str, Any], key: str = "tls.crt"):
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(base64.b64decode(secret["data"][key]))
+
+
+def certificate_names(cert) -> set[str]:
+    from cryptography import x509
+
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return {*names.get_values_for_type(x509.DNSName), *map(str, names.get_values_for_type(x509.IPAddress))}
+
+
+def extended_usages(cert) -> set:
+    from cryptography import x509
+
+    return set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+
+
+def test_dev_cpu_renders_every_secret_its_pods_mount() -> None:
+    docs = _render("dev-cpu")
+    rendered_names = {s["metadata"]["name"] for s in of_kind(docs, "Secret")}
+    for dep_name, pod, _ in containers(docs):
+        for volume in pod.get("volumes", []):
+            if "secret" in volume:
+                name = volume["secret"]["secretName"]
+                assert name in rendered_names, f"{dep_name}: Secret {name} not rendered"
+                secret = rendered_secret(docs, secret_base_name(name))
+                for item in volume["secret"].get("items", []):
+                    assert item["key"] in secret.get("data", {}), f"{dep_name}: {name} has no {item['key']}"
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+def test_dev_cpu_certificates_make_the_mutual_tls_the_coordinator_checks(worker: str) -> None:
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    docs = _render("dev-cpu")
+    worker_secret = rendered_secret(docs, WORKER_TLS_SECRETS[worker])
+    client_secret = rendered_secret(docs, COORDINATOR_CLIENT_SECRET)
+    served, client = certificate(worker_secret), certificate(client_secret)
+    name = expanded_flag(deployment(docs, COORDINATOR), SERVER_NAME_FLAGS[worker])
+    assert name in certificate_names(served), f"the {worker} certificate does not name {name}"
+    assert ExtendedKeyUsageOID.SERVER_AUTH in extended_usages(served)
+    assert ExtendedKeyUsageOID.CLIENT_AUTH in extended_usages(client)
+    # Each side trusts the CA that issued the other side's certificate (raises otherwise).
+    served.verify_directly_issued_by(certificate(client_secret, "ca.crt"))
+    client.verify_directly_issued_by(certificate(worker_secret, "ca.crt"))
+
+
+def test_dev_cpu_coordinator_certificate_names_its_service_and_localhost() -> None:
+    docs = _render("dev-cpu")
+    names = certificate_names(certificate(rendered_secret(docs, COORDINATOR_TLS_SECRET)))
+    assert service_dns_names(service_of(docs, COORDINATOR)) <= names
+    assert "localhost" in names  # what a kubectl port-forward dials (k8s/README.md)
+
+
+# --- k8s/cert-manager: the certificates the gpu overlay mounts ------------------------------
+
+
+def issued_certificates() -> dict[str, dict[str, Any]]:
+    """cert-manager Certificates by the Secret each writes."""
+    return {c["spec"]["secretName"]: c for c in of_kind(_render(CERT_MANAGER), "Certificate")}
+
+
+def mounted_secrets(docs: Docs) -> set[str]:
+    return {
+        volume["secret"]["secretName"]
+        for _, pod, _ in containers(docs)
+        for volume in pod.get("volumes", [])
+        if "secret" in volume
+    }
+
+
+def test_cert_manager_issues_every_certificate_the_gpu_overlay_mounts() -> None:
+    gpu, issued = _render("gpu"), issued_certificates()
+    namespaces = {d["metadata"].get("namespace") for d in of_kind(gpu, "Deployment")}
+    assert {c["metadata"].get("namespace") for c in issued.values()} == namespaces
+    for name in mounted_secrets(gpu) - {AUTH_TOKENS_SECRET}:
+        assert name in issued, f"no Certificate writes Secret {name}"
+
+
+@pytest.mark.parametrize("worker", WORKERS)
+def test_cert_manager_worker_certificates_name_what_the_coordinator_checks(worker: str) -> None:
+    name = expanded_flag(deployment(_render("gpu"), COORDINATOR), SERVER_NAME_FLAGS[worker])
+    certificate_spec = issued_certificates()[WORKER_TLS_SECRETS[worker]]["spec"]
+    assert name in certificate_spec.get("dnsNames", []), f"the {worker} certificate does not name {name}"
+
+
+def test_cert_manager_coordinator_certificate_names_its_service() -> None:
+    spec = issued_certificates()[COORDINATOR_TLS_SECRET]["spec"]
+    assert service_dns_names(service_of(_render("gpu"), COORDINATOR)) <= set(spec.get("dnsNames", []))
+
+
+def test_cert_manager_issues_the_mounted_certificates_from_one_ca() -> None:
+    # One CA: every Secret's ca.crt is the CA that issued the other side's certificate.
+    docs, issued = _render(CERT_MANAGER), issued_certificates()
+    leaves = [issued[name] for name in SECRETS - {AUTH_TOKENS_SECRET}]
+    issuers = {(c["spec"]["issuerRef"].get("kind"), c["spec"]["issuerRef"]["name"]) for c in leaves}
+    assert len(issuers) == 1, issuers
+    ((kind, name),) = issuers
+    (issuer,) = [i for i in of_kind(docs, kind) if i["metadata"]["name"] == name]
+    assert issued[issuer["spec"]["ca"]["secretName"]]["spec"].get("isCA") is True
+    assert "client auth" in issued[COORDINATOR_CLIENT_SECRET]["spec"]["usages"]
+    for secret in (COORDINATOR_TLS_SECRET, *WORKER_TLS_SECRETS.values()):
+        assert "server auth" in issued[secret]["spec"]["usages"], secret

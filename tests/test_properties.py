@@ -188,6 +188,10 @@ def prompts(draw, wild: bool) -> coordinator_pb2.GenerateRequest:
     return request
 
 
+# Field numbers the request does not define (as a newer client's fields would be).
+FIRST_UNKNOWN_FIELD = max(f.number for f in coordinator_pb2.GenerateRequest.DESCRIPTOR.fields) + 1
+
+
 @st.composite
 def mutations(draw, request: coordinator_pb2.GenerateRequest, wild: bool) -> list:
     """Edits of the serialized request; when not wild, only ones that keep it valid."""
@@ -205,7 +209,7 @@ def mutations(draw, request: coordinator_pb2.GenerateRequest, wild: bool) -> lis
             found.append((kind, draw(st.sampled_from([F_STOP, F_REQUEST_ID, F_TEXT])), draw(st.text(max_size=5)),
                           draw(st.sampled_from(BAD_UTF8)), draw(st.text(max_size=5))))
         elif kind == "unknown_field":
-            number = draw(st.integers(13, 2**29 - 1))
+            number = draw(st.integers(FIRST_UNKNOWN_FIELD, 2**29 - 1))
             wire_type = draw(st.sampled_from([WIRE_VARINT, WIRE_I64, WIRE_LEN, WIRE_I32]))
             payload = {WIRE_VARINT: st.integers(0, UINT64_MAX), WIRE_I64: st.binary(min_size=8, max_size=8),
                        WIRE_LEN: st.binary(max_size=40), WIRE_I32: st.binary(min_size=4, max_size=4)}[wire_type]

@@ -22,7 +22,7 @@ from draft_worker import service as draft_service
 from specdec import logs
 from specdec.client import Client, make_request
 from specdec.config import CoordinatorConfig, ServerConfig, WorkerConfig
-from specdec.errors import FailedPrecondition
+from specdec.errors import FailedPrecondition, Unavailable
 from specdec.metrics import serve_metrics
 from specdec.serving import start_server
 from specdec.security.tls import ClientTLS, ServerTLS, make_dev_certs
@@ -154,6 +154,187 @@ def test_a_worker_refuses_a_peer_without_a_valid_client_certificate(peer, certs,
             await server.stop(grace=0)
 
     assert run(scenario()) == grpc.StatusCode.UNAVAILABLE
+
+
+# --- workers behind a Service name: dialed by IP, certificates naming the Service -----------
+
+SERVICE_NAMES = {"target": "target-worker.specdec.svc", "draft": "draft-worker.specdec.svc"}
+
+
+def service_certificate(certs, out, name: str) -> ServerTLS:
+    """A worker certificate from the test CA naming only `name` (no IP address, no
+    localhost), as issued for a Kubernetes Service; the worker demands client certificates."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    ca = x509.load_pem_x509_certificate((certs / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((certs / "ca.key").read_bytes(), password=None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    cert_path, key_path = out / f"{name}.pem", out / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return ServerTLS(cert_path, key_path, certs / "ca.pem")
+
+
+@pytest.fixture(scope="module")
+def service_named_outcomes(certs, target, tokenizer, tmp_path_factory):
+    """mTLS workers whose certificates name only their Service, dialed at 127.0.0.1: the
+    coordinator's start without a server-name override, and a request with one per kind."""
+    out = tmp_path_factory.mktemp("service-certs")
+
+    def worker(model: str, kind: str) -> WorkerConfig:
+        return WorkerConfig(model=model, server=ServerConfig(host="127.0.0.1", port=0,
+                                                             tls=service_certificate(certs, out, SERVICE_NAMES[kind])))
+
+    def coordinator_config(target_port: int, draft_port: int, **names) -> CoordinatorConfig:
+        return CoordinatorConfig(
+            target_addr=f"127.0.0.1:{target_port}", draft_addr=f"127.0.0.1:{draft_port}", tokenizer="in memory",
+            server=ServerConfig(host="127.0.0.1", port=0),
+            worker_tls=ClientTLS(certs / "ca.pem", certs / "client.pem", certs / "client.key"), **names)
+
+    async def scenario():
+        target_config = worker("tiny-target", "target")
+        target_server = await target_service.serve(
+            target_config, target_service.build_servicer(target_config, target, tokenizer))
+        draft_config = worker("ngram", "draft")
+        draft_server = await draft_service.serve(draft_config, draft_service.build_servicer(draft_config))
+        try:
+            try:
+                servicer = await coordinator_service.connect(
+                    coordinator_config(target_server.port, draft_server.port), tokenizer=tokenizer,
+                    startup_timeout_s=3)
+            except Exception as exc:  # noqa: BLE001 - the outcome under test
+                refused = exc
+            else:
+                await stop_all([], servicer)
+                refused = None
+            config = coordinator_config(target_server.port, draft_server.port,
+                                        target_tls_server_name=SERVICE_NAMES["target"],
+                                        draft_tls_server_name=SERVICE_NAMES["draft"])
+            servicer = await coordinator_service.connect(config, tokenizer=tokenizer, startup_timeout_s=10)
+            coordinator = await coordinator_service.serve(config, servicer)
+            try:
+                async with Client(coordinator.address) as client:
+                    result = await client.complete(make_request(PROMPTS[1], max_new_tokens=MAX_NEW))
+            finally:
+                await stop_all([coordinator], servicer)
+            return refused, result
+        finally:
+            for server in (draft_server, target_server):
+                await server.stop(grace=0)
+
+    return run(scenario())
+
+
+def test_a_worker_certificate_naming_only_its_service_is_refused_at_its_ip(service_named_outcomes):
+    refused, _ = service_named_outcomes
+    assert isinstance(refused, Unavailable), refused
+    message = str(refused)
+    assert "certificate does not name 127.0.0.1" in message and "--target-tls-server-name" in message, message
+
+
+def test_the_server_name_override_reaches_service_named_workers_by_ip(service_named_outcomes, target, tokenizer):
+    _, result = service_named_outcomes
+    assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, PROMPTS[1]), MAX_NEW)
+    assert result.stats["proposed"] > 0  # the draft worker was reached by its own name too
+
+
+def test_a_server_name_without_worker_tls_is_refused():
+    config = CoordinatorConfig(target_addr="127.0.0.1:1", draft_addr=None, tokenizer="x",
+                               target_tls_server_name=SERVICE_NAMES["target"])
+    with pytest.raises(FailedPrecondition, match="--worker-ca"):
+        config.worker_channel_tls("target")
+
+
+@pytest.mark.parametrize("argv, env, expected", [
+    (["--worker-tls-server-name", "workers.specdec.svc"], {}, ("workers.specdec.svc", "workers.specdec.svc")),
+    (["--worker-tls-server-name", "workers.specdec.svc", "--draft-tls-server-name", "d.specdec.svc"], {},
+     ("workers.specdec.svc", "d.specdec.svc")),
+    ([], {"SPECDEC_TARGET_TLS_SERVER_NAME": "t.specdec.svc", "SPECDEC_WORKER_TLS_SERVER_NAME": "w.specdec.svc"},
+     ("t.specdec.svc", "w.specdec.svc")),
+    ([], {}, (None, None)),
+])
+def test_serve_coordinator_reads_the_worker_server_names(argv, env, expected, monkeypatch):
+    from specdec.cli import build_parser
+    from specdec.cli.serve import coordinator_config
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    args = build_parser().parse_args(["serve", "coordinator", "--worker-ca", "ca.pem", *argv])
+    config = coordinator_config(args)
+    assert (config.target_tls_server_name, config.draft_tls_server_name) == expected
+    assert config.worker_channel_tls("target").server_name == expected[0]
+
+
+# --- the plaintext health port, for probes that cannot speak TLS ----------------------------
+
+
+@pytest.fixture(scope="module")
+def health_port_outcomes(certs, target, tokenizer):
+    """An mTLS target worker with a health port, probed in plaintext as the kubelet does."""
+    async def check(port: int, method: str = "Check"):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                if method == "GetInfo":
+                    await target_pb2_grpc.TargetWorkerStub(channel).GetInfo(common_pb2.WorkerInfoRequest(), timeout=5)
+                    return "answered"
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="specdec.v1.TargetWorker"), timeout=5)
+                return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name
+
+    async def scenario():
+        config = WorkerConfig(model="tiny", server=ServerConfig(host="127.0.0.1", port=0, health_port=0,
+                                                                tls=server_tls(certs, True)))
+        server = await target_service.serve(config, target_service.build_servicer(config, target, tokenizer))
+        outcomes = {}
+        try:
+            outcomes["serving"] = await check(server.health_port)
+            outcomes["other methods"] = await check(server.health_port, "GetInfo")
+            outcomes["main port in plaintext"] = await check(server.port)
+            await server.health.enter_graceful_shutdown()  # what stop() does first
+            outcomes["draining"] = await check(server.health_port)
+        finally:
+            await server.stop(grace=0)
+        outcomes["stopped"] = await check(server.health_port)
+        return outcomes
+
+    return run(scenario())
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("serving", "SERVING"),
+    ("other methods", "UNIMPLEMENTED"),
+    ("main port in plaintext", "UNAVAILABLE"),
+    ("draining", "NOT_SERVING"),
+    ("stopped", "UNAVAILABLE"),
+])
+def test_the_health_port_answers_health_alone_in_plaintext(health_port_outcomes, case, expected):
+    assert health_port_outcomes[case] == expected
+
+
+def test_serve_reads_the_health_port(monkeypatch):
+    from specdec.cli import build_parser
+    from specdec.cli.flags import server_config
+
+    parse = build_parser().parse_args
+    assert server_config(parse(["serve", "target", "--health-port", "8081"])).health_port == 8081
+    assert server_config(parse(["serve", "target"])).health_port is None
+    monkeypatch.setenv("SPECDEC_HEALTH_PORT", "8082")  # read when the parser is built
+    assert server_config(build_parser().parse_args(["serve", "coordinator"])).health_port == 8082
 
 
 async def start_plaintext_off_loopback(insecure: bool) -> None:

@@ -53,7 +53,9 @@ class TestSessionStore:
     def test_byte_budget_evicts_least_recently_used_but_not_current(self):
         store = make_store(max_cache_bytes=5)
         for name in "ab":
-            store.sync(name, 0, [1, 2, 3]).session.ids = [1, 2, 3]
+            session = store.sync(name, 0, [1, 2, 3]).session
+            session.ids = [1, 2, 3]
+            store.account(session)  # the worker fed it: 3 tokens of 1 byte
         store.enforce_budget(keep="b")
         assert "a" not in store and "b" in store
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from specdec.sessions import SyncedContext
+from specdec.sessions import Session, SyncedContext
 
 
 class Drafter(Protocol):
@@ -20,4 +20,9 @@ class Drafter(Protocol):
     def propose_batch(self, synced: list[SyncedContext], ks: list[int]) -> list[list[int]]:
         """propose() for many sessions at once (distinct sessions), batched where the
         drafter can; the i-th proposal is what propose(synced[i], ks[i]) returns."""
+        ...
+
+    def held_bytes(self, session: Session) -> int:
+        """The bytes `session` keeps allocated on this drafter (what the worker's cache budget
+        counts: specdec.sessions.SessionStore.account)."""
         ...

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from specdec.runtime.lm import CausalLM
-from specdec.sessions import SyncedContext
+from specdec.sessions import Session, SyncedContext
 
 
 class ModelDrafter:
@@ -21,6 +21,9 @@ class ModelDrafter:
 
     def propose(self, synced: SyncedContext, k: int) -> list[int]:
         return self.propose_batch([synced], [k])[0]
+
+    def held_bytes(self, session: Session) -> int:
+        return self.lm.held_bytes(session)
 
     def propose_batch(self, synced: list[SyncedContext], ks: list[int]) -> list[list[int]]:
         """Greedy proposals for many sessions: draft step j is ONE forward pass over every

@@ -3,8 +3,14 @@ committed context; no model."""
 
 from __future__ import annotations
 
+import torch
+
+from specdec.models import weights_fingerprint
 from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, lookup
-from specdec.sessions import SyncedContext
+from specdec.sessions import Session, SyncedContext
+
+# What a session holds per context token: one Python int in its ids, roughly.
+ID_BYTES = 8
 
 
 class NgramDrafter:
@@ -16,6 +22,18 @@ class NgramDrafter:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+
+    @property
+    def fingerprint(self) -> str:
+        """What identifies this drafter where a model's weights fingerprint identifies a model
+        (specdec.models.weights_fingerprint): it has no weights, only its n-gram sizes."""
+        config = {"drafter": self.name, "max_ngram": self.max_ngram, "min_ngram": self.min_ngram}
+        return weights_fingerprint(torch.nn.Module(), config)
+
+    @staticmethod
+    def held_bytes(session: Session) -> int:
+        """No tensors: only the session's ids."""
+        return len(session.ids) * ID_BYTES
 
     def propose(self, synced: SyncedContext, k: int) -> list[int]:
         session = synced.session

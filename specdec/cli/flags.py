@@ -7,7 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
-from specdec.config import CoordinatorConfig, ServerConfig, WorkerConfig
+from specdec.config import DTYPES, CoordinatorConfig, ServerConfig, WorkerConfig
 from specdec.security.tls import ServerTLS
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -19,6 +19,25 @@ def env(name: str, default):
     return os.environ.get(name, default)
 
 
+def seconds(value: str) -> float:
+    """A duration flag: a number of seconds, 0 or more."""
+    try:
+        parsed = float(value)
+    except ValueError:
+        parsed = -1.0
+    if not parsed >= 0 or parsed == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of seconds (0 or more)")
+    return parsed
+
+
+def dtype_name(value: str) -> str:
+    """A --dtype flag (or SPECDEC_DTYPE, which argparse passes through here unchecked by
+    `choices`): one of DTYPES."""
+    if value not in DTYPES:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a dtype: choose from {', '.join(DTYPES)}")
+    return value
+
+
 def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--host", default=env("SPECDEC_HOST", "127.0.0.1"),
                         help="interface to bind (0.0.0.0 in a pod) [SPECDEC_HOST]")
@@ -26,6 +45,9 @@ def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None
                         help="gRPC port; 0 picks a free one [SPECDEC_PORT]")
     parser.add_argument("--metrics-port", type=int, default=env("SPECDEC_METRICS_PORT", None),
                         help="serve Prometheus /metrics on this port [SPECDEC_METRICS_PORT]")
+    parser.add_argument("--health-port", type=int, default=env("SPECDEC_HEALTH_PORT", None),
+                        help="also serve the standard gRPC health service alone, in plaintext, on this port: for "
+                             "probes that cannot speak TLS, such as the kubelet's [SPECDEC_HEALTH_PORT]")
     parser.add_argument("--grace-period", type=float, default=float(env("SPECDEC_GRACE_PERIOD", 20.0)),
                         help="seconds in-flight calls get to finish after SIGTERM [SPECDEC_GRACE_PERIOD]")
     parser.add_argument("--tls-cert", default=env("SPECDEC_TLS_CERT", None),
@@ -42,8 +64,12 @@ def add_server_flags(parser: argparse.ArgumentParser, default_port: int) -> None
 
 def add_worker_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-sessions", type=int, default=256, help="sessions cached at once (LRU beyond)")
-    parser.add_argument("--max-cache-mb", type=int, default=2048, help="KV-cache budget in MiB (LRU beyond)")
+    parser.add_argument("--max-cache-mb", type=int, default=2048, help="MiB the caches may keep allocated (LRU beyond)")
     parser.add_argument("--device", default=env("SPECDEC_DEVICE", "cpu"), help="torch device [SPECDEC_DEVICE]")
+    parser.add_argument("--dtype", type=dtype_name, choices=DTYPES, default=env("SPECDEC_DTYPE", "auto"),
+                        help="element type of the weights (target, draft model, head); auto: bfloat16 on CUDA, "
+                             "float32 elsewhere; logits are float32 whatever it is (default %(default)s) "
+                             "[SPECDEC_DTYPE]")
     parser.add_argument("--min-chain-prob", type=float, default=float(env("SPECDEC_MIN_CHAIN_PROB", 0.15)),
                         help="a feature-level head's chain stops where its own probability of the whole chain "
                              "falls below this; 0: always draft k (default %(default)s) [SPECDEC_MIN_CHAIN_PROB]")
@@ -51,13 +77,20 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
                         help="a head on the target worker also proposes its second choice at a chain depth where "
                              "its probability of being right is at least this, verified as a tree leaf in the same "
                              "pass; 1: never (default %(default)s) [SPECDEC_MIN_ALT_PROB]")
+    parser.add_argument("--session-ttl", type=seconds, default=env("SPECDEC_SESSION_TTL", "300"),
+                        help="free a session no round has touched for this many seconds (its coordinator is gone; "
+                             "a later round resyncs); 0: never (default %(default)s) [SPECDEC_SESSION_TTL]")
+    parser.add_argument("--stall-timeout", type=seconds, default=env("SPECDEC_STALL_TIMEOUT", "30"),
+                        help="report NOT_SERVING (and refuse calls) while the model thread has work but finishes no "
+                             "step for this many seconds; 0: off (default %(default)s) [SPECDEC_STALL_TIMEOUT]")
 
 
 def server_config(args) -> ServerConfig:
     metrics_port = None if args.metrics_port in (None, "") else int(args.metrics_port)
+    health_port = None if args.health_port in (None, "") else int(args.health_port)
     paths = [None if p is None else Path(p) for p in (args.tls_cert, args.tls_key, args.tls_client_ca)]
     return ServerConfig(host=args.host, port=args.port, grace_period_s=args.grace_period, metrics_port=metrics_port,
-                        tls=ServerTLS(*paths), insecure=args.insecure)
+                        health_port=health_port, tls=ServerTLS(*paths), insecure=args.insecure)
 
 
 DEFAULT_HTTP_PORT = 8000
@@ -93,6 +126,45 @@ def add_coordinator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-rounds", type=int, default=32, help="most requests' rounds in one step")
     parser.add_argument("--prefill-chunk", type=int, default=256,
                         help="longest piece of a prompt one step prefills (bounds others' latency)")
+    parser.add_argument("--worker-timeout-s", type=seconds, default=env("SPECDEC_WORKER_TIMEOUT_S", "60"),
+                        help="deadline of one worker call (a draft's is at most 10 s) (default %(default)s) "
+                             "[SPECDEC_WORKER_TIMEOUT_S]")
+    parser.add_argument("--worker-retries", type=int, default=env("SPECDEC_WORKER_RETRIES", "5"),
+                        help="retries of a round's worker call, on another replica when there is one, before the "
+                             "request fails UNAVAILABLE (default %(default)s) [SPECDEC_WORKER_RETRIES]")
+    parser.add_argument("--worker-backoff-s", type=seconds, default=env("SPECDEC_WORKER_BACKOFF_S", "0.2"),
+                        help="first back-off between a round's attempts, doubling after each (default %(default)s) "
+                             "[SPECDEC_WORKER_BACKOFF_S]")
+    parser.add_argument("--worker-keepalive-s", type=seconds, default=env("SPECDEC_WORKER_KEEPALIVE_S", "10"),
+                        help="ping a worker after this long without hearing from it, at least 1; 0: no pings "
+                             "(default %(default)s) [SPECDEC_WORKER_KEEPALIVE_S]")
+    parser.add_argument("--worker-keepalive-timeout-s", type=seconds,
+                        default=env("SPECDEC_WORKER_KEEPALIVE_TIMEOUT_S", "5"),
+                        help="a ping unanswered this long drops the connection and fails its calls, which retry "
+                             "elsewhere (default %(default)s) [SPECDEC_WORKER_KEEPALIVE_TIMEOUT_S]")
+    parser.add_argument("--eject-after-failures", type=int, default=env("SPECDEC_EJECT_AFTER_FAILURES", "5"),
+                        help="eject a worker replica that fails this many calls in a row (outlier ejection); "
+                             "0: never (default %(default)s) [SPECDEC_EJECT_AFTER_FAILURES]")
+    parser.add_argument("--eject-base-s", type=seconds, default=env("SPECDEC_EJECT_BASE_S", "30"),
+                        help="a replica's n-th ejection lasts n times this (default %(default)s) "
+                             "[SPECDEC_EJECT_BASE_S]")
+    parser.add_argument("--eject-max-s", type=seconds, default=env("SPECDEC_EJECT_MAX_S", "300"),
+                        help="the longest ejection (default %(default)s) [SPECDEC_EJECT_MAX_S]")
+    parser.add_argument("--max-ejected-percent", type=float, default=env("SPECDEC_MAX_EJECTED_PERCENT", "50"),
+                        help="most replicas of a kind ejected at once, in percent; the last serving one never is "
+                             "(default %(default)s) [SPECDEC_MAX_EJECTED_PERCENT]")
+    parser.add_argument("--hedge-percentile", type=float, default=env("SPECDEC_HEDGE_PERCENTILE", "0"),
+                        help="hedge a target round unanswered past this percentile of the recent round latencies "
+                             "(times --hedge-factor): send it to a second replica too, the first answer wins; "
+                             "e.g. 95; 0: off (default %(default)s) [SPECDEC_HEDGE_PERCENTILE]")
+    parser.add_argument("--hedge-factor", type=float, default=env("SPECDEC_HEDGE_FACTOR", "1"),
+                        help="the hedge delay is the percentile times this (default %(default)s) "
+                             "[SPECDEC_HEDGE_FACTOR]")
+    parser.add_argument("--hedge-min-s", type=seconds, default=env("SPECDEC_HEDGE_MIN_S", "0.05"),
+                        help="the shortest hedge delay (default %(default)s) [SPECDEC_HEDGE_MIN_S]")
+    parser.add_argument("--hedge-max-share", type=float, default=env("SPECDEC_HEDGE_MAX_SHARE", "0.1"),
+                        help="most target calls hedged, as a share of the recent ones (default %(default)s) "
+                             "[SPECDEC_HEDGE_MAX_SHARE]")
 
 
 def coordinator_config(args, target_addr: str, draft_addr: str | None, tokenizer: str, worker_tls=None):
@@ -107,6 +179,12 @@ def coordinator_config(args, target_addr: str, draft_addr: str | None, tokenizer
         step_token_budget=args.step_token_budget, max_batch_rounds=args.max_batch_rounds,
         prefill_chunk_tokens=args.prefill_chunk, http_port=args.http_port or None,
         served_model_name=args.served_model_name,
+        worker_timeout_s=args.worker_timeout_s, worker_retries=args.worker_retries,
+        retry_backoff_s=args.worker_backoff_s, worker_keepalive_s=args.worker_keepalive_s,
+        worker_keepalive_timeout_s=args.worker_keepalive_timeout_s, eject_after_failures=args.eject_after_failures,
+        eject_base_s=args.eject_base_s, eject_max_s=args.eject_max_s, max_ejected_percent=args.max_ejected_percent,
+        hedge_percentile=args.hedge_percentile, hedge_factor=args.hedge_factor, hedge_min_s=args.hedge_min_s,
+        hedge_max_share=args.hedge_max_share,
     )
 
 
@@ -115,6 +193,7 @@ def worker_config(args, model: str, port: int | None = None) -> WorkerConfig:
     if port is not None:
         server.port = port
     return WorkerConfig(model=model, server=server, max_sessions=args.max_sessions,
-                        max_cache_bytes=args.max_cache_mb << 20, device=args.device,
+                        max_cache_bytes=args.max_cache_mb << 20, device=args.device, dtype=args.dtype,
                         min_chain_prob=args.min_chain_prob, min_alt_prob=args.min_alt_prob,
-                        head=getattr(args, "head", None))
+                        head=getattr(args, "head", None), session_ttl_s=args.session_ttl,
+                        stall_timeout_s=args.stall_timeout)

@@ -35,11 +35,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cert", default=None, help="client certificate, if the coordinator demands one")
     parser.add_argument("--key", default=None, help="private key of --cert")
     parser.add_argument("--request-id", default="", help="id for the logs of every service (x-request-id)")
+    parser.add_argument("--no-resume", action="store_true",
+                        help="fail when the stream breaks instead of resuming the request where it broke")
 
 
 
 async def run(args) -> int:
-    from specdec.client import Client, make_request
+    from specdec.client import NO_RESUME, Client, Resume, make_request
 
     try:
         request = make_request(args.prompt, raw=args.raw, max_new_tokens=args.max_new_tokens, k=args.k,
@@ -63,9 +65,12 @@ async def run(args) -> int:
         tls = ClientTLS(Path(args.ca), args.cert and Path(args.cert), args.key and Path(args.key))
     async with Client(args.addr, tls=tls, token=args.token) as client:
         result = await client.complete(request, timeout=timeout, wait_for_ready=args.wait_ready > 0,
-                                       on_text=None if args.json else stream_text, request_id=args.request_id)
+                                       on_text=None if args.json else stream_text, request_id=args.request_id,
+                                       resume=NO_RESUME if args.no_resume else Resume())
     if args.json:
         print(json.dumps(result.to_json(), ensure_ascii=False))
     else:
         sys.stdout.write("\n")
+        if result.stats.get("resumes"):
+            print(f"(the stream broke and was resumed {result.stats['resumes']} times)", file=sys.stderr)
     return 0

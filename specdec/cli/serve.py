@@ -28,6 +28,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              help="client certificate for workers that demand one (mTLS) [SPECDEC_WORKER_CERT]")
     coordinator.add_argument("--worker-key", default=flags.env("SPECDEC_WORKER_KEY", None),
                              help="private key of --worker-cert [SPECDEC_WORKER_KEY]")
+    coordinator.add_argument("--worker-tls-server-name", default=flags.env("SPECDEC_WORKER_TLS_SERVER_NAME", None),
+                             help="check every worker's certificate against this name, not the address dialed "
+                                  "(replicas behind a headless Service are dialed by pod IP) "
+                                  "[SPECDEC_WORKER_TLS_SERVER_NAME]")
+    for kind in ("target", "draft"):
+        variable = f"SPECDEC_{kind.upper()}_TLS_SERVER_NAME"
+        coordinator.add_argument(f"--{kind}-tls-server-name", default=flags.env(variable, None),
+                                 help=f"the same for the {kind} workers only (e.g. the DNS name of their Service, "
+                                      f"when each Service has its own certificate) [{variable}]")
     for name, port, default_model in (("draft", DEFAULT_DRAFT_PORT, flags.DEFAULT_DRAFT),
                                       ("target", DEFAULT_TARGET_PORT, flags.DEFAULT_TARGET)):
         worker = kinds.add_parser(name, help=f"{name} worker")
@@ -42,6 +51,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                      "[SPECDEC_HEAD]")
 
 
+def coordinator_config(args):
+    """The coordinator's config from `specdec serve coordinator` flags."""
+    from specdec.security.tls import ClientTLS
+
+    draft_addr = None if args.draft_addr == flags.NO_DRAFT else args.draft_addr
+    worker_tls = None
+    if args.worker_ca:
+        worker_tls = ClientTLS(Path(args.worker_ca), args.worker_cert and Path(args.worker_cert),
+                               args.worker_key and Path(args.worker_key))
+    config = flags.coordinator_config(args, args.target_addr, draft_addr, args.tokenizer, worker_tls)
+    config.target_tls_server_name = args.target_tls_server_name or args.worker_tls_server_name
+    config.draft_tls_server_name = args.draft_tls_server_name or args.worker_tls_server_name
+    return config
+
 
 async def run(args) -> int:
     from specdec.metrics import serve_metrics
@@ -53,15 +76,7 @@ async def run(args) -> int:
     if args.service == "coordinator":
         from coordinator import service
 
-        from specdec.security.tls import ClientTLS
-
-        draft_addr = None if args.draft_addr == flags.NO_DRAFT else args.draft_addr
-        worker_tls = None
-        if args.worker_ca:
-            worker_tls = ClientTLS(Path(args.worker_ca), args.worker_cert and Path(args.worker_cert),
-                                   args.worker_key and Path(args.worker_key))
-        config = flags.coordinator_config(args, args.target_addr, draft_addr, args.tokenizer, worker_tls)
-        running = await service.serve(config)
+        running = await service.serve(coordinator_config(args))
     else:
         if args.service == "draft":
             from draft_worker import service
@@ -69,7 +84,8 @@ async def run(args) -> int:
             from target_worker import service
         running = await service.serve(flags.worker_config(args, args.model))
     print(f"{args.service} listening on {running.address}", flush=True)
-    for companion in running.companions:
-        print(f"{args.service} HTTP API (OpenAI-compatible) on {companion.url}/v1", flush=True)
+    for url in [getattr(c, "url", None) for c in running.companions]:
+        if url:  # the coordinator's HTTP API
+            print(f"{args.service} HTTP API (OpenAI-compatible) on {url}/v1", flush=True)
     await serve_until(stop, [running])
     return 0

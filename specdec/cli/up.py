@@ -59,6 +59,7 @@ async def run(args) -> int:
     def worker_config(model: str) -> WorkerConfig:
         config = flags.worker_config(args, model, port=0)
         config.server.host, config.server.tls, config.server.insecure = "127.0.0.1", worker_tls, False
+        config.server.health_port = None  # --health-port is the coordinator's
         return config
 
     # A feature-level head runs next to the target (target_worker.head): it reads the
@@ -88,8 +89,9 @@ async def run(args) -> int:
         config = flags.coordinator_config(args, target.address, draft_addr, args.target, coordinator_tls)
         coordinator = await coordinator_service.serve(config)
         print(f"coordinator    listening on {coordinator.address} (k={args.k}); Ctrl-C stops", flush=True)
-        if coordinator.companions:
-            print(f"HTTP API       (OpenAI-compatible) on {coordinator.companions[0].url}/v1", flush=True)
+        for url in [getattr(c, "url", None) for c in coordinator.companions]:
+            if url:
+                print(f"HTTP API       (OpenAI-compatible) on {url}/v1", flush=True)
         await serve_until(stop, [coordinator, *servers])
     finally:
         if child is not None:
@@ -105,8 +107,9 @@ async def _spawn_draft(args, cert_dir, ca) -> tuple[asyncio.subprocess.Process, 
                "--model", args.draft, "--tls-cert", str(cert_dir / "server.pem"),
                "--tls-key", str(cert_dir / "server.key"), "--tls-client-ca", str(ca),
                "--max-sessions", str(args.max_sessions), "--max-cache-mb", str(args.max_cache_mb),
-               "--min-chain-prob", str(args.min_chain_prob),
-               "--device", args.device, "--grace-period", "2", "--log-format", args.log_format or "text"]
+               "--min-chain-prob", str(args.min_chain_prob), "--session-ttl", str(args.session_ttl),
+               "--stall-timeout", str(args.stall_timeout), "--device", args.device, "--dtype", args.dtype,
+               "--grace-period", "2", "--log-format", args.log_format or "text"]
     child = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE,
                                                  preexec_fn=parent_death_signal())
     marker = "draft listening on "

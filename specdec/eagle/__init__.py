@@ -5,7 +5,7 @@
 The names below are the head's public API, used as `from specdec import eagle; eagle.load(...)`.
 """
 
-from specdec.eagle.checkpoint import is_eagle_dir, load, save, warm_start
+from specdec.eagle.checkpoint import fingerprint, is_eagle_dir, load, save, warm_start
 from specdec.eagle.cpu import fast_cpu_dtype, fast_cpu_head
 from specdec.eagle.head import (
     CONFIG_NAME, FEATURE_BYTES, FEATURE_DTYPE, KIND, WEIGHTS_NAME, EagleConfig, EagleHead, HeadCache, build,
@@ -16,5 +16,5 @@ from specdec.eagle.policy import MIN_ALT_PROB, MIN_CHAIN_PROB, EagleDrafter, Fea
 __all__ = [
     "CONFIG_NAME", "FEATURE_BYTES", "FEATURE_DTYPE", "KIND", "MIN_ALT_PROB", "MIN_CHAIN_PROB", "WEIGHTS_NAME",
     "EagleConfig", "EagleDrafter", "EagleHead", "Features", "HeadCache", "build", "fast_cpu_dtype", "fast_cpu_head",
-    "is_eagle_dir", "load", "new_config", "save", "target_parts", "warm_start",
+    "fingerprint", "is_eagle_dir", "load", "new_config", "save", "target_parts", "warm_start",
 ]

@@ -5,13 +5,14 @@ LM head are not stored: they are taken from the target named in the config."""
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.eagle.head import CONFIG_NAME, KIND, WEIGHTS_NAME, EagleConfig, EagleHead, build
-from specdec.models import load_model, local_path
+from specdec.models import load_model, local_path, weights_fingerprint
 
 
 def is_eagle_dir(spec: str) -> bool:
@@ -23,6 +24,16 @@ def is_eagle_dir(spec: str) -> bool:
         return json.loads(path.read_text()).get("specdec_draft") == KIND
     except (OSError, ValueError):
         return False
+
+
+def fingerprint(head: EagleHead) -> str:
+    """The head's weights fingerprint (specdec.models.weights_fingerprint) over its config,
+    but for the target's spec (a name or path, which may differ between machines serving the
+    same files), and over its tensors: its weights, its draft vocabulary and the target's
+    embeddings and LM-head rows it reads, so the target it runs on is in it too. Take it
+    from the head as loaded, before fast_cpu_head packs a serving copy."""
+    config = {k: v for k, v in asdict(head.config).items() if k != "target"}
+    return weights_fingerprint(head, config)
 
 
 def save(head: EagleHead, directory: Path, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -53,14 +64,16 @@ def warm_start(head: EagleHead, directory: str | Path) -> list[str]:
     return sorted(set(own) - set(tensors))
 
 
-def load(directory: str | Path, target=None, dtype: torch.dtype = torch.float32) -> EagleHead:
-    """A head directory and the target it reads (loaded by its spec unless given)."""
+def load(directory: str | Path, target=None, dtype: torch.dtype = torch.float32, device: str = "cpu") -> EagleHead:
+    """A head directory and the target it reads (loaded by its spec unless given: on `device`,
+    in `dtype`; a given target's device is the head's). The head's weights and embeddings
+    take `dtype`; its LM-head rows stay float32 (EagleHead.cast)."""
     directory = local_path(str(directory))
     config = EagleConfig.load(directory)
     tensors = load_file(str(directory / WEIGHTS_NAME))
     if target is None:
-        target, _ = load_model(config.target)
+        target, _ = load_model(config.target, dtype=dtype, device=device)
     draft_vocab = tensors.pop("draft_vocab").long()
     head = build(config, target, draft_vocab)
     head.load_state_dict({k: v.to(torch.float32) for k, v in tensors.items()})
-    return head.to(dtype).eval()
+    return head.cast(dtype).eval()

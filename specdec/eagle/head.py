@@ -45,6 +45,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdec.runtime.memory import storage_bytes
+from specdec.runtime.precision import fp32_logits
+
 KIND = "eagle"  # config.json "specdec_draft" of a head directory
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -202,10 +205,22 @@ class EagleHead(torch.nn.Module):
         return self.out_norm(x)
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., Vd] over the draft vocabulary."""
+        """[..., H] -> [..., Vd] float32 over the draft vocabulary (specdec.runtime.precision;
+        the packed CPU serving copy's `lm_head` projects with its own packed weights, bfloat16
+        where the CPU has it, float32 out: specdec.eagle.cpu)."""
         if self.lm_head is not None:
             return self.lm_head(predicted)
-        return predicted @ self.head.to(predicted.dtype).T
+        return fp32_logits(predicted, self.head)
+
+    def cast(self, dtype: torch.dtype) -> EagleHead:
+        """The head in `dtype`, in place: its weights and the target's embeddings it reads;
+        the target's LM-head rows (`head`) and the rotary frequencies stay float32, so logits
+        are float32 and positions are not rounded."""
+        kept = {name: getattr(self, name).float() for name in ("head", "inv_freq")}
+        self.to(dtype)
+        for name, tensor in kept.items():
+            setattr(self, name, tensor)
+        return self
 
     # -- training: the unrolled chain ------------------------------------------------------
 
@@ -294,6 +309,10 @@ class HeadCache:
 
     def get_seq_length(self) -> int:
         return self.length
+
+    def held_bytes(self) -> int:
+        """The bytes this cache keeps allocated: its buffers' capacity (specdec.runtime.memory)."""
+        return storage_bytes((self.keys, self.values))
 
 
 def target_parts(target) -> tuple[torch.Tensor, torch.Tensor]:

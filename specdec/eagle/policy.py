@@ -46,7 +46,7 @@ import torch
 from specdec.eagle.head import EagleHead
 from specdec.errors import InvalidArgument
 from specdec.ngram import DEFAULT_MAX_NGRAM, lookup
-from specdec.sessions import Resync, SyncedContext
+from specdec.sessions import Resync, Session, SyncedContext
 
 
 class Features:
@@ -103,6 +103,11 @@ class EagleDrafter:
 
     def propose(self, synced: SyncedContext, k: int, features: Features | None = None) -> list[int] | Resync:
         return self.propose_batch([synced], [k], [features])[0]
+
+    @staticmethod
+    def held_bytes(session: Session) -> int:
+        """The bytes `session`'s head cache keeps allocated (specdec.eagle.HeadCache)."""
+        return 0 if session.cache is None else session.cache.held_bytes()
 
     @torch.inference_mode()
     def propose_batch(self, synced: list[SyncedContext], ks: list[int],

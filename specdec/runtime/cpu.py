@@ -15,7 +15,9 @@ tests (tests/test_runtime_cpu.py):
    does that copy whenever a mask is passed, i.e. for every multi-token block with a cache;
    the results are bit-identical, it only saves the copies);
 3. KV caches grow into preallocated buffers (`BufferedLayer`, made by `new_cache`) instead of
-   `torch.cat`-ing the whole context onto itself every step.
+   `torch.cat`-ing the whole context onto itself every step. A session then holds its
+   buffers' capacity, not its length: that is what its cache budget counts
+   (`BufferedCache.held_bytes`, specdec.runtime.memory).
 
 Packed linears do change float rounding (a different GEMM kernel sums in a different order):
 logits move by float32 rounding, the same order as MKL's own difference between a batched and
@@ -44,6 +46,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from specdec.runtime import packed
+from specdec.runtime.memory import storage_bytes, tensors_of
 from specdec.runtime.packed import SPECDEC_ATTENTION, packed_attention
 
 log = logging.getLogger(__name__)
@@ -196,19 +199,61 @@ def agrees(model: torch.nn.Module, fast: torch.nn.Module) -> bool:
 
 def new_cache(config):
     """A transformers DynamicCache whose full-attention layers are BufferedLayers."""
-    cache = DynamicCache(config=config)
-    cache.layers = [BufferedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
-    return cache
+    return BufferedCache(config)
+
+
+class Footprint:
+    """The bytes the buffers of one cache's BufferedLayers hold: each layer adds what it
+    allocates and subtracts what it lets go."""
+
+    __slots__ = ("bytes",)
+
+    def __init__(self):
+        self.bytes = 0
+
+
+class BufferedCache(DynamicCache):
+    """A DynamicCache whose full-attention layers are BufferedLayers. They report every
+    buffer they allocate to the cache's `footprint`, so `held_bytes` reads a running count
+    instead of every layer's tensors; other layers (sliding-window ones) are measured as
+    they are (specdec.runtime.memory)."""
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        self.footprint = Footprint()
+        self.layers = [BufferedLayer(self.footprint) if type(layer) is DynamicLayer else layer
+                       for layer in self.layers]
+        self._unbuffered = [layer for layer in self.layers if not isinstance(layer, BufferedLayer)]
+
+    def held_bytes(self) -> int:
+        """The bytes this cache keeps allocated: its buffers' capacity, not its length."""
+        return self.footprint.bytes + (storage_bytes(tensors_of(self._unbuffered)) if self._unbuffered else 0)
+
+
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.untyped_storage().nbytes()
 
 
 class BufferedLayer(DynamicLayer):
     """A DynamicLayer whose keys and values are views into buffers with headroom: appending
     n tokens writes n rows instead of copying the whole context (DynamicLayer's torch.cat).
-    Cropping (DynamicLayer.crop) narrows the views; the next update overwrites the rows."""
+    Cropping (DynamicLayer.crop) narrows the views; the next update overwrites the rows.
+    Invariant: `footprint` (shared with the other layers of its cache) includes exactly the
+    bytes of the two buffers this layer holds."""
+
+    def __init__(self, footprint: Footprint | None = None):
+        super().__init__()
+        self.footprint = footprint if footprint is not None else Footprint()
+        self._key_buffer = self._value_buffer = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        self._key_buffer = self._value_buffer = None
+        self._set_buffers(None, None)
+
+    def _set_buffers(self, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
+        self.footprint.bytes += (_nbytes(keys) + _nbytes(values)
+                                 - _nbytes(self._key_buffer) - _nbytes(self._value_buffer))
+        self._key_buffer, self._value_buffer = keys, values
 
     def _capacity(self) -> int:
         return 0 if self._key_buffer is None else self._key_buffer.shape[-2]
@@ -242,5 +287,5 @@ class BufferedLayer(DynamicLayer):
         if length:
             keys[..., :length, :] = self.keys
             values[..., :length, :] = self.values
-        self._key_buffer, self._value_buffer = keys, values
+        self._set_buffers(keys, values)
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from specdec.runtime.compat import cache_kwarg
+from specdec.runtime.memory import cache_held_bytes
 from specdec.runtime.packed import packed_forward, supports_packed
 from specdec.runtime.tree import supports_plain_trees, tree_mask, tree_positions
 from specdec.sessions import Session, SyncedContext
@@ -41,6 +42,16 @@ class CausalLM:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         element = torch.finfo(self.dtype).bits // 8
         return 2 * cfg.num_hidden_layers * heads * head_dim * element
+
+    def held_bytes(self, session: Session) -> int:
+        """The bytes this session keeps allocated: the storages its KV cache keeps alive,
+        each counted once however many views share it (specdec.runtime.memory) — a buffered
+        layer's whole capacity, a cropped layer's uncropped storage — not its tokens ×
+        `bytes_per_token`. What the worker's cache budget counts (SessionStore.account, after
+        every step that fed the session or rolled its cache back). Reads sizes only, no device
+        synchronisation. A paged KV pool answers it as the session's blocks in use × block
+        bytes."""
+        return cache_held_bytes(session.cache)
 
     def _new_cache(self):
         if self._cache_factory is not None:

@@ -57,6 +57,9 @@ class ClientTLS:
     cert: Path | None = None
     """This client's certificate, for servers that demand one (mutual TLS)."""
     key: Path | None = None
+    server_name: str | None = None
+    """The name the server's certificate must cover, instead of the host dialed: the
+    coordinator dials worker pods by IP, and checks each against the name of their Service."""
 
     @property
     def enabled(self) -> bool:
@@ -103,6 +106,11 @@ def check_plaintext_allowed(host: str, insecure: bool, what: str) -> None:
 
 def channel(address: str, tls: ClientTLS | None, options: list) -> grpc.aio.Channel:
     if tls is not None and tls.enabled:
+        if tls.server_name:
+            # The certificate is checked against server_name (and TLS SNI and :authority carry
+            # it) whatever address is dialed.
+            options = [*options, ("grpc.ssl_target_name_override", tls.server_name),
+                       ("grpc.default_authority", tls.server_name)]
         return grpc.aio.secure_channel(address, tls.credentials(), options=options)
     return grpc.aio.insecure_channel(address, options=options)
 

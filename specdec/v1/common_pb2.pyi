@@ -61,7 +61,7 @@ class WorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "tokenizer_vocab_size", "vocab_hash", "model_vocab_size", "max_context", "eos_token_ids", "active_sessions", "cache_bytes", "max_batch_rounds", "feature_size", "head")
+    __slots__ = ("model", "tokenizer_vocab_size", "vocab_hash", "model_vocab_size", "max_context", "eos_token_ids", "active_sessions", "cache_bytes", "max_batch_rounds", "feature_size", "head", "fingerprint", "dtype", "head_fingerprint")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,9 @@ class WorkerInfo(_message.Message):
     MAX_BATCH_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     FEATURE_SIZE_FIELD_NUMBER: _ClassVar[int]
     HEAD_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokenizer_vocab_size: int
     vocab_hash: str
@@ -84,4 +87,7 @@ class WorkerInfo(_message.Message):
     max_batch_rounds: int
     feature_size: int
     head: str
-    def __init__(self, model: _Optional[str] = ..., tokenizer_vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., model_vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., max_batch_rounds: _Optional[int] = ..., feature_size: _Optional[int] = ..., head: _Optional[str] = ...) -> None: ...
+    fingerprint: str
+    dtype: str
+    head_fingerprint: str
+    def __init__(self, model: _Optional[str] = ..., tokenizer_vocab_size: _Optional[int] = ..., vocab_hash: _Optional[str] = ..., model_vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., active_sessions: _Optional[int] = ..., cache_bytes: _Optional[int] = ..., max_batch_rounds: _Optional[int] = ..., feature_size: _Optional[int] = ..., head: _Optional[str] = ..., fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., head_fingerprint: _Optional[str] = ...) -> None: ...

@@ -39,7 +39,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "chat", "token_ids", "max_new_tokens", "num_speculative_tokens", "disable_speculation", "stop", "request_id", "temperature", "top_k", "top_p", "seed")
+    __slots__ = ("text", "chat", "token_ids", "max_new_tokens", "num_speculative_tokens", "disable_speculation", "stop", "request_id", "temperature", "top_k", "top_p", "seed", "resume_token_ids")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class GenerateRequest(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatPrompt
     token_ids: TokenIds
@@ -64,22 +65,27 @@ class GenerateRequest(_message.Message):
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., disable_speculation: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., disable_speculation: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., request_id: _Optional[str] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., resume_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "stats")
+    __slots__ = ("text", "token_ids", "finish_reason", "stats", "request_id", "seed")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     stats: GenerationStats
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
+    request_id: str
+    seed: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ..., request_id: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("rounds", "proposed", "accepted", "acceptance_rate", "tokens_per_round", "ttft_s", "tokens_per_s", "prompt_tokens", "generated_tokens", "draft_s", "verify_s", "wire_bytes", "resyncs", "seed", "rejected_blocks", "alternative_tokens")
+    __slots__ = ("rounds", "proposed", "accepted", "acceptance_rate", "tokens_per_round", "ttft_s", "tokens_per_s", "prompt_tokens", "generated_tokens", "draft_s", "verify_s", "wire_bytes", "resyncs", "seed", "rejected_blocks", "alternative_tokens", "resumes")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     PROPOSED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +102,7 @@ class GenerationStats(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ALTERNATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUMES_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     proposed: int
     accepted: int
@@ -112,4 +119,5 @@ class GenerationStats(_message.Message):
     seed: int
     rejected_blocks: int
     alternative_tokens: int
-    def __init__(self, rounds: _Optional[int] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_round: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., resyncs: _Optional[int] = ..., seed: _Optional[int] = ..., rejected_blocks: _Optional[int] = ..., alternative_tokens: _Optional[int] = ...) -> None: ...
+    resumes: int
+    def __init__(self, rounds: _Optional[int] = ..., proposed: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., tokens_per_round: _Optional[float] = ..., ttft_s: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., draft_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., resyncs: _Optional[int] = ..., seed: _Optional[int] = ..., rejected_blocks: _Optional[int] = ..., alternative_tokens: _Optional[int] = ..., resumes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,248 @@
+"""Serving in reduced precision (`--dtype`, specdec.runtime.precision): the flag and its
+variable reach every worker's config; a worker loads its model, draft model or head in that
+dtype and still computes logits in float32; greedy output through the services in bfloat16
+equals the same bfloat16 model decoding alone, token by token; float32 is served as before."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec import eagle
+from specdec.client import Client, make_request
+from specdec.config import DTYPES, WorkerConfig
+from specdec.models import NGRAM, eos_token_ids, load_model
+from specdec.runtime.precision import AUTO, TORCH_DTYPES, Fp32LMHead, serving_dtype, with_fp32_logits
+from specdec.sessions import Session
+from specdec.train.teacher import chat_ids
+from tests.factories import TEST_DEVICE, make_tiny_model, make_tiny_tokenizer, save_model_dir
+from tests.harness import run, running_stack, worker_config
+from tests.test_eagle_services import ALWAYS
+
+PROMPTS = ["Explain how tides work.", "Summarise: the cat sat on the mat and slept. The cat sat on the mat.",
+           "def add(a, b):\n    return a + b", "Héllo wörld — naïve café 🙂"]
+MAX_NEW = 32
+WORKER_COMMANDS = [["serve", "target"], ["serve", "draft"], ["up"]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("dtype-models")
+    target = make_tiny_model(tokenizer, seed=0).cpu()
+    target_dir = save_model_dir(root / "target", target, tokenizer)
+    draft_dir = save_model_dir(root / "draft", make_tiny_model(tokenizer, seed=1, layers=1, hidden=32).cpu(),
+                               tokenizer)
+    vocab = torch.arange(0, target.config.vocab_size, 2)
+    torch.manual_seed(0)
+    head = eagle.build(eagle.new_config(target, str(target_dir), len(vocab)), target, vocab)
+    head_dir = root / "head"
+    eagle.save(head, head_dir, dtype=torch.float32)
+    return {"target": target_dir, "draft": draft_dir, "head": head_dir}
+
+
+def bf16_reference(model_dir, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """The target alone in bfloat16: loaded as a worker loads it, logits in float32, one full
+    forward pass over the whole sequence per token (no cache, no drafts), greedy."""
+    model, tokenizer = load_model(str(model_dir), dtype=torch.bfloat16, device=TEST_DEVICE)
+    model, eos = with_fp32_logits(model), set(eos_token_ids(model, tokenizer))
+    ids = list(prompt_ids)
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            logits = model(input_ids=torch.tensor([ids], device=TEST_DEVICE)).logits[0, -1]  # [V]
+            assert logits.dtype == torch.float32
+            ids.append(int(torch.argmax(logits)))
+            if ids[-1] in eos:
+                break
+    return ids[len(prompt_ids):]
+
+
+# --- the flag -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", WORKER_COMMANDS, ids=[" ".join(c) for c in WORKER_COMMANDS])
+def test_dtype_flag_and_variable_reach_the_worker_config(command, monkeypatch, capsys):
+    from specdec.cli import build_parser, flags
+
+    def dtype(*argv: str) -> str:
+        args = build_parser().parse_args([*command, *argv])  # variables are read as the parser is built
+        return flags.worker_config(args, "model").dtype
+
+    monkeypatch.delenv("SPECDEC_DTYPE", raising=False)
+    assert dtype() == "auto" == WorkerConfig(model="m").dtype
+    for name in DTYPES:
+        assert dtype("--dtype", name) == name
+    monkeypatch.setenv("SPECDEC_DTYPE", "bfloat16")
+    assert dtype() == "bfloat16"
+    assert dtype("--dtype", "float32") == "float32"  # a flag wins over its variable
+    for argv, variable in ((["--dtype", "fp8"], None), ([], "half")):
+        if variable is not None:
+            monkeypatch.setenv("SPECDEC_DTYPE", variable)
+        with pytest.raises(SystemExit) as exited:
+            dtype(*argv)
+        assert exited.value.code == 2
+        assert "argument --dtype" in capsys.readouterr().err
+
+
+def test_up_passes_dtype_to_the_draft_worker_it_spawns(monkeypatch):
+    """`specdec up` runs a draft model in a child `specdec serve draft`: --dtype goes with it."""
+    import asyncio
+
+    from specdec.cli import build_parser, up
+
+    seen = []
+
+    async def fake_exec(*command, **kwargs):
+        seen.append(list(command))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", fake_exec)
+    args = build_parser().parse_args(["up", "--draft", "some-draft", "--dtype", "float16"])
+    with pytest.raises(RuntimeError, match="stop here"):
+        run(up._spawn_draft(args, Path("/certs"), Path("/certs/ca.pem")))
+    command = seen[0]
+    assert command[command.index("serve") + 1] == "draft"
+    assert command[command.index("--dtype") + 1] == "float16"
+
+
+def test_dtype_names_resolve_per_device():
+    assert set(DTYPES) == {AUTO, *TORCH_DTYPES}
+    assert serving_dtype("auto", "cpu") == torch.float32
+    assert serving_dtype("auto", "cuda") == serving_dtype("auto", "cuda:1") == torch.bfloat16
+    assert serving_dtype("float16", "cpu") == torch.float16
+    assert serving_dtype("float32", "cuda") == torch.float32
+    with pytest.raises(ValueError, match="not one of"):
+        serving_dtype("fp8", "cpu")
+
+
+# --- the workers load in the dtype and compute logits in float32 ---------------------------
+
+
+def not_bf16_values(logits: torch.Tensor) -> bool:
+    """Whether some logit is not a bfloat16 number: logits rounded to bfloat16 all are."""
+    return bool((logits != logits.bfloat16().float()).any())
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["cpu-fast-path", "as-loaded"])
+def test_a_target_worker_in_bfloat16_has_bf16_weights_and_fp32_logits(model_dirs, fast_path):
+    from target_worker import service
+
+    config = dataclasses.replace(worker_config(str(model_dirs["target"])), dtype="bfloat16", device=TEST_DEVICE,
+                                 cpu_fast_path=fast_path)
+    servicer = service.build_servicer(config)
+    lm = servicer.verifier.lm
+    assert servicer._info.dtype == "bfloat16"
+    assert {p.dtype for p in lm.model.parameters()} == {torch.bfloat16}
+    assert isinstance(lm.model.get_output_embeddings(), Fp32LMHead)
+    assert lm.bytes_per_token == 2 * 2 * 2 * 16 * 2  # K and V, 2 layers, 2 KV heads of 16, 2 bytes
+
+    ids = [5, 17, 42, 99, 7, 3]
+    session = Session("s")
+    session.cache, session.ids = lm._new_cache(), []
+    logits = lm.feed(session, ids, len(ids))  # [n, V]
+    assert logits.dtype == torch.float32
+    assert not_bf16_values(logits)
+    # The final projection of the bfloat16 model's own hidden states, in float32.
+    plain, _ = load_model(str(model_dirs["target"]), dtype=torch.bfloat16, device=TEST_DEVICE)
+    with torch.inference_mode():
+        hidden = plain.model(input_ids=torch.tensor([ids], device=TEST_DEVICE)).last_hidden_state[0]
+        expected = hidden.float() @ plain.lm_head.weight.float().T
+    torch.testing.assert_close(logits, expected, atol=0.05 * float(expected.abs().max()), rtol=0)
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+    if not fast_path and TEST_DEVICE == "cpu":  # the model as loaded, run the same way: the same arithmetic
+        assert torch.equal(logits, expected)
+
+
+def test_a_draft_worker_in_bfloat16_loads_its_model_and_head_in_bf16(model_dirs):
+    from draft_worker import service
+
+    for spec, fast_path in ((model_dirs["draft"], True), (model_dirs["head"], False)):
+        config = dataclasses.replace(worker_config(str(spec)), dtype="bfloat16", device=TEST_DEVICE,
+                                     cpu_fast_path=fast_path)
+        servicer = service.build_servicer(config)
+        assert servicer._info.dtype == "bfloat16", spec
+    drafter = servicer.proposer.drafter  # the head, as loaded (no packed copy)
+    head = drafter.head
+    assert head.fc.weight.dtype == head.embed.dtype == torch.bfloat16
+    assert head.embed.device.type == torch.device(TEST_DEVICE).type
+    # Its draft-vocabulary rows of the target's LM head stay float32: logits in float32.
+    assert head.head.dtype == head.inv_freq.dtype == torch.float32
+    with torch.inference_mode():
+        features = torch.randn(3, head.config.hidden_size, device=head.embed.device)
+        predicted = head.extend(head.new_cache(), features, [1, 2, 3])  # [3, H]
+        logits = head.logits(predicted)  # [3, Vd]
+    assert predicted.dtype == torch.bfloat16
+    assert logits.dtype == torch.float32 and not_bf16_values(logits)
+    torch.testing.assert_close(logits, predicted.float() @ head.head.T)
+
+
+def test_the_inline_head_takes_the_target_dtype(model_dirs):
+    from target_worker import service
+
+    config = dataclasses.replace(worker_config(str(model_dirs["target"])), dtype="bfloat16", device=TEST_DEVICE,
+                                 head=str(model_dirs["head"]), cpu_fast_path=False)
+    servicer = service.build_servicer(config)
+    head = servicer.verifier.head.drafter.head
+    assert servicer._info.head and servicer._info.dtype == "bfloat16"
+    assert head.fc.weight.dtype == torch.bfloat16 and head.head.dtype == torch.float32
+
+
+def test_float32_is_served_as_before(model_dirs, tokenizer):
+    from target_worker import service
+
+    model = make_tiny_model(tokenizer, seed=0)
+    assert with_fp32_logits(model) is model  # nothing changes for a float32 model
+    config = worker_config(str(model_dirs["target"]))
+    assert serving_dtype(config.dtype, config.device) == torch.float32  # the default on CPU
+    servicer = service.build_servicer(config)
+    assert servicer._info.dtype == "float32"
+    assert not any(isinstance(m, Fp32LMHead) for m in servicer.verifier.lm.model.modules())
+
+
+# --- greedy through the services in bfloat16 ------------------------------------------------
+
+
+def load_bf16(model_dir):
+    return load_model(str(model_dir), dtype=torch.bfloat16, device=TEST_DEVICE)[0]
+
+
+@pytest.mark.parametrize("drafter", ["target-itself", NGRAM, "head-on-target"])
+def test_bf16_greedy_through_the_services_equals_bf16_target_alone(drafter, model_dirs, tokenizer):
+    """Target (and as the draft model, the target itself) loaded in bfloat16 and handed to their workers (loading by spec
+    in --dtype: the tests above), and so is a head (eagle.load in bfloat16). Compared, token for token: the output with speculation (k = 4),
+    the output of the same stack with speculation off, and the bfloat16 target alone decoding
+    one token per full forward pass (bf16_reference)."""
+    target = load_bf16(model_dirs["target"])
+    draft = head = None
+    if drafter == "target-itself":  # every draft accepted: whole blocks verified in one pass
+        draft = load_bf16(model_dirs["target"])
+    elif drafter == NGRAM:
+        draft = NGRAM
+    else:
+        head = eagle.load(model_dirs["head"], target=target, dtype=torch.bfloat16)
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=draft, target_head=head,
+                                 target_options=ALWAYS if head is not None else None) as stack:
+            assert stack.target_servicer._info.dtype == "bfloat16"
+            async with Client(stack.address) as client:
+                speculative = [await client.complete(make_request(p, max_new_tokens=MAX_NEW, k=4)) for p in PROMPTS]
+                plain = [await client.complete(make_request(p, max_new_tokens=MAX_NEW, speculate=False))
+                         for p in PROMPTS]
+            return speculative, plain
+
+    speculative, plain = run(scenario())
+    assert sum(r.stats["proposed"] for r in speculative) > 0
+    if drafter == "target-itself":
+        assert all(r.stats["acceptance_rate"] == 1.0 for r in speculative)
+    for prompt, fast, slow in zip(PROMPTS, speculative, plain):
+        expected = bf16_reference(model_dirs["target"], chat_ids(tokenizer, prompt), MAX_NEW)
+        assert slow.token_ids == expected, prompt
+        assert fast.token_ids == expected, prompt
