@@ -1,0 +1,189 @@
+"""The split's own cost per round: what a round costs through the three services beyond the
+target worker's step, measured with a model whose step is about a millisecond, so that the
+cost is not hidden inside a long step (on a GPU an 8B step takes 3–8 ms).
+
+    python benchmarks/round_cost.py                 # tiny random target, batch 1 and 16, ~2 min
+
+Side by side in one run, speculation off (one token per round, so a round is one step):
+
+- **worker loop**: the target worker's own code (target_worker.service.build_servicer, its
+  Verifier.verify_batch) called in this process, B sessions per step, one token each: the
+  step as the worker runs it, with no gRPC, coordinator or client.
+- **services**: `specdec serve target|draft|coordinator` as three processes on loopback
+  (plaintext links), B clients streaming at once through specdec's gRPC client.
+- **up (mTLS)**: `specdec up` — coordinator and target worker in one process, the worker
+  links on mutual TLS — the same clients.
+
+Per configuration: milliseconds per round after the first token (a client's time from its
+first token to its last / its rounds after the first; the worker loop: per step), tokens/s
+over all sessions, and the split's cost per round = services ms/round − worker ms/step.
+Every process runs `--threads` torch threads. Writes --out/round-cost.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.soak import ServiceProcess, free_port  # noqa: E402
+from specdec.bench.machine import describe  # noqa: E402
+from specdec.bench.services import SpecdecUp  # noqa: E402
+from specdec.client import Client, make_request  # noqa: E402
+
+PROMPT = "Count slowly from one to one hundred, one number per line."
+
+
+def worker_loop(model_dir: str, batch: int, rounds: int, threads: int) -> dict:
+    """The target worker's Verifier, B sessions, one token per round: ms per step."""
+    import torch
+
+    from specdec.config import WorkerConfig
+    from specdec.models import load_model
+    from target_worker.service import build_servicer
+    from target_worker.verify import Round
+
+    torch.set_num_threads(threads)
+    model, tokenizer = load_model(model_dir)
+    servicer = build_servicer(WorkerConfig(model=model_dir), model, tokenizer)
+    verifier = servicer.verifier
+    prompt = list(tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}],
+                                                add_generation_prompt=True)["input_ids"])
+    held = [0] * batch
+    pending = [prompt] * batch
+    steps: list[float] = []
+    for step in range(rounds + 1):
+        began = time.perf_counter()
+        outcome = verifier.verify_batch([Round(f"s{i}", held[i], pending[i], []) for i in range(batch)])
+        if step:  # the first is the prefill
+            steps.append(time.perf_counter() - began)
+        for i, verdict in enumerate(outcome.results):
+            held[i], pending[i] = verdict.cached_len, [verdict.next_token]
+    servicer.thread.shutdown()
+    per_step = statistics.median(steps)
+    return {"ms_per_round": 1e3 * per_step, "tokens_per_s": batch / per_step}
+
+
+async def through(address: str, batch: int, rounds: int) -> dict:
+    """B clients at once, speculation off, `rounds` tokens each: ms per round after the first."""
+    async with Client(address) as client:
+        await client.complete(make_request(PROMPT, max_new_tokens=4, speculate=False))  # warm-up
+
+        async def one() -> tuple[float, int, float, float]:
+            began, first, last, count = time.perf_counter(), None, None, 0
+            async for response in client.stream(make_request(PROMPT, max_new_tokens=rounds, speculate=False)):
+                now = time.perf_counter()
+                if response.token_ids:
+                    first = first or now
+                    last, count = now, count + len(response.token_ids)
+            return (last - first) / max(1, count - 1), count, began, last
+
+        results = await asyncio.gather(*(one() for _ in range(batch)))
+    wall = max(r[3] for r in results) - min(r[2] for r in results)
+    return {"ms_per_round": 1e3 * statistics.median(r[0] for r in results),
+            "tokens_per_s": sum(r[1] for r in results) / wall}
+
+
+def start_services(model_dir: str, threads: int, workdir: Path) -> list[ServiceProcess]:
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    ports = {name: free_port() for name in ("target", "draft", "coordinator")}
+    common = ["--host", "127.0.0.1", "--grace-period", "1"]
+    argvs = {
+        "target": ["serve", "target", "--port", str(ports["target"]), "--model", model_dir, *common],
+        "draft": ["serve", "draft", "--port", str(ports["draft"]), "--model", "ngram", *common],
+        "coordinator": ["serve", "coordinator", "--port", str(ports["coordinator"]), "--http-port", "0", *common,
+                        "--target-addr", f"127.0.0.1:{ports['target']}", "--draft-addr", f"127.0.0.1:{ports['draft']}",
+                        "--tokenizer", model_dir, "--rate-limit", "0"],
+    }
+    services = [ServiceProcess(name, ports[name], argvs[name], workdir / f"{name}.log", env) for name in argvs]
+    for service in services:
+        service.spawn()
+    for service in services:
+        service.wait_serving(120.0)
+    return services
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="tiny", help="'tiny' (a random 2-layer model) or a model dir")
+    parser.add_argument("--batches", default="1,16", help="comma-separated concurrencies")
+    parser.add_argument("--rounds", type=int, default=64, help="tokens (rounds) per session")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating repeats of each configuration")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every process")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    workdir = Path(tempfile.mkdtemp(prefix="specdec-round-cost-"))
+    model_dir = args.model
+    if model_dir == "tiny":
+        from tests.factories import make_tiny_model, make_tiny_tokenizer, save_model_dir
+
+        tokenizer = make_tiny_tokenizer()
+        model_dir = str(save_model_dir(workdir / "target", make_tiny_model(tokenizer, seed=0, layers=2,
+                                                                            max_positions=512), tokenizer))
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    services = start_services(model_dir, args.threads, workdir)
+    up = SpecdecUp(model_dir, "ngram", 4, args.threads, loop, extra_args=["--rate-limit", "0"])
+    runs: list[dict] = []
+    try:
+        for batch in batches:
+            for repeat in range(args.repeats):
+                order = ["worker loop", "services", "up (mTLS)"]
+                if repeat % 2:
+                    order.reverse()
+                for mode in order:
+                    if mode == "worker loop":
+                        run = worker_loop(model_dir, batch, args.rounds, args.threads)
+                    elif mode == "services":
+                        run = loop.run_until_complete(through(f"127.0.0.1:{services[2].port}", batch, args.rounds))
+                    else:
+                        run = loop.run_until_complete(through(up.address, batch, args.rounds))
+                    run.update(batch=batch, mode=mode)
+                    runs.append(run)
+                    print(f"B={batch:>3} {mode:>12}: {run['ms_per_round']:.2f} ms/round, "
+                          f"{run['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
+    finally:
+        up.close()
+        for service in services:
+            service.stop()
+    summary: dict = {}
+    for batch in batches:
+        row = {mode: {key: statistics.median(r[key] for r in runs if r["batch"] == batch and r["mode"] == mode)
+                      for key in ("ms_per_round", "tokens_per_s")}
+               for mode in ("worker loop", "services", "up (mTLS)")}
+        for mode in ("services", "up (mTLS)"):
+            row[mode]["split_ms_per_round"] = row[mode]["ms_per_round"] - row["worker loop"]["ms_per_round"]
+            row[mode]["vs_worker_loop"] = row[mode]["tokens_per_s"] / row["worker loop"]["tokens_per_s"]
+        summary[str(batch)] = row
+    report = {"command": "python benchmarks/round_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "machine": describe(args.threads), "config": vars(args) | {"model_dir": model_dir},
+              "summary": summary, "runs": runs}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "round-cost.json").write_text(json.dumps(report, indent=2) + "\n")
+    lines = [f"# The split's cost per round — {report['machine'].get('cpu_model', '')}", "",
+             f"`{report['command']}`; speculation off (one token per round), {args.rounds} rounds per session, "
+             f"medians of {args.repeats} alternating repeats, {args.threads} torch thread(s) per process.", "",
+             "| B | worker loop ms/step | services ms/round | split ms/round | up (mTLS) ms/round | split ms/round | "
+             "services tok/s vs worker loop |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for batch, row in summary.items():
+        lines.append(f"| {batch} | {row['worker loop']['ms_per_round']:.2f} | {row['services']['ms_per_round']:.2f} | "
+                     f"{row['services']['split_ms_per_round']:+.2f} | {row['up (mTLS)']['ms_per_round']:.2f} | "
+                     f"{row['up (mTLS)']['split_ms_per_round']:+.2f} | {row['services']['vs_worker_loop']:.2f} |")
+    (out / "round-cost.md").write_text("\n".join(lines) + "\n")
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
