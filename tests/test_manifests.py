@@ -664,6 +664,16 @@ def test_dev_cpu_runs_one_worker_of_each_kind_and_two_coordinators_without_autos
     assert deployment(docs, COORDINATOR)["spec"].get("replicas") == 2
 
 
+def test_dev_cpu_coordinator_outlasts_a_restart_of_its_one_target() -> None:
+    """With one target replica, the coordinator's retries (0.2 s doubling) must cover a
+    restart of it: at least 30 s of back-off, where the default 5 retries give ~6 s."""
+    coordinator = deployment(_render("dev-cpu"), COORDINATOR)["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in coordinator.get("env", [])}
+    retries = int(env.get("SPECDEC_WORKER_RETRIES", 5))
+    backoff = float(env.get("SPECDEC_WORKER_BACKOFF_S", 0.2))
+    assert backoff * (2 ** retries - 1) >= 30
+
+
 def hpa_for(docs: Docs, component: str) -> dict[str, Any]:
     name = deployment(docs, component)["metadata"]["name"]
     matches = [
