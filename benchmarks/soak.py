@@ -126,6 +126,7 @@ class ServiceProcess:
     process: subprocess.Popen | None = None
     peak_rss_kib: int = 0
     expected_exit: bool = False
+    host: str = "127.0.0.1"  # where it serves (a loopback address)
 
     def spawn(self, warm: bool = False) -> None:
         log = open(self.log_path, "ab")
@@ -157,7 +158,7 @@ class ServiceProcess:
     def wait_serving(self, timeout_s: float) -> None:
         """Polls the standard health service until SERVING; raises if the process dies."""
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(f"127.0.0.1:{self.port}") as channel:
+        with grpc.insecure_channel(f"{self.host}:{self.port}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 if not self.alive():

@@ -132,6 +132,9 @@ def add_coordinator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-retries", type=int, default=env("SPECDEC_WORKER_RETRIES", "5"),
                         help="retries of a round's worker call, on another replica when there is one, before the "
                              "request fails UNAVAILABLE (default %(default)s) [SPECDEC_WORKER_RETRIES]")
+    parser.add_argument("--resolve-interval-s", type=seconds, default=env("SPECDEC_RESOLVE_INTERVAL_S", "5"),
+                        help="re-resolve --target-addr/--draft-addr names this often, so replicas that come and go "
+                             "are seen (default %(default)s) [SPECDEC_RESOLVE_INTERVAL_S]")
     parser.add_argument("--worker-backoff-s", type=seconds, default=env("SPECDEC_WORKER_BACKOFF_S", "0.2"),
                         help="first back-off between a round's attempts, doubling after each (default %(default)s) "
                              "[SPECDEC_WORKER_BACKOFF_S]")
@@ -184,7 +187,7 @@ def coordinator_config(args, target_addr: str, draft_addr: str | None, tokenizer
         worker_keepalive_timeout_s=args.worker_keepalive_timeout_s, eject_after_failures=args.eject_after_failures,
         eject_base_s=args.eject_base_s, eject_max_s=args.eject_max_s, max_ejected_percent=args.max_ejected_percent,
         hedge_percentile=args.hedge_percentile, hedge_factor=args.hedge_factor, hedge_min_s=args.hedge_min_s,
-        hedge_max_share=args.hedge_max_share,
+        hedge_max_share=args.hedge_max_share, resolve_interval_s=max(args.resolve_interval_s, 0.1),
     )
 
 
