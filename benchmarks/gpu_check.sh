@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run (CI has none; run this where one is):
 #  1. every Triton kernel compiled for the GPU against its torch reference, on a grid of
-#     vocabulary sizes, batch sizes and k, and timed (benchmarks/kernels_gpu.py);
+#     vocabulary sizes, batch sizes and k, and timed (benchmarks/kernels_gpu.py), and the
+#     paged-attention kernel against its reference on 256 sessions with contexts up to 8K
+#     (benchmarks/paged_attention_gpu.py), and the paged serving step: correct against the old
+#     per-session path, timed on an 8B-shaped model against it and the HBM roofline, its memory
+#     flat (benchmarks/paged_step_gpu.py);
 #  2. the service tests with their tiny models on the GPU (SPECDEC_TEST_DEVICE=cuda):
 #     greedy output equal to the target alone, seeded sampling equal to the target's own
 #     sampler, the sampled-distribution test, continuous batching, the draft head next to
@@ -9,8 +13,8 @@
 #
 #     benchmarks/gpu_check.sh OUT_DIR
 #
-# Writes OUT_DIR/device.txt, kernels_gpu.json (+ .log) and pytest_cuda.log; exits non-zero
-# if either check failed.
+# Writes OUT_DIR/device.txt, kernels_gpu.json (+ .log), paged_attention_gpu.json (+ .log),
+# paged_step_gpu.json (+ .log) and pytest_cuda.log; exits non-zero if any check failed.
 set -uo pipefail
 out=${1:-gpu-check}
 mkdir -p "$out"
@@ -43,10 +47,44 @@ for r in report["results"]:
           f"triton {r['triton_ms']:.4f} ms ({r['triton_GBps']} GB/s) torch {r['torch_ms']:.4f} ms x{r['speedup']}")
 EOF
 
+timeout "${PAGED_TIMEOUT_S:-180}" "$python" benchmarks/paged_attention_gpu.py \
+    >"$out/paged_attention_gpu.json" 2>"$out/paged_attention_gpu.log"
+paged=$?
+echo "paged_attention_gpu.py: exit $paged"
+"$python" - "$out/paged_attention_gpu.json" <<'EOF' || true
+import json, sys
+report = json.load(open(sys.argv[1]))
+print(f"all_match={report['all_match']} on {report['device']}")
+for r in report["results"]:
+    print(f"paged_attention new={r['new_tokens']!s:5s} tree={r['tree']!s:5s} T={r['tokens']:4d}: "
+          f"match={r['match']} err={r['max_abs_err']:.2e} triton {r['triton_ms']:.4f} ms "
+          f"({r['triton_GBps']} GB/s) reference {r['reference_ms']:.2f} ms sdpa {r.get('sdpa_ms', 'error')} ms")
+EOF
+
+timeout "${PAGED_STEP_TIMEOUT_S:-420}" "$python" benchmarks/paged_step_gpu.py \
+    >"$out/paged_step_gpu.json" 2>"$out/paged_step_gpu.log"
+step=$?
+echo "paged_step_gpu.py: exit $step"
+"$python" - "$out/paged_step_gpu.json" <<'EOF' || true
+import json, sys
+report = json.load(open(sys.argv[1]))
+print(f"all_correct={report['all_correct']} on {report['device']}")
+for r in report["correctness"]:
+    print(f"paged step {r['dtype']:8s} {r['attention']:9s} {r['case']:8s}: pass={r['pass']} "
+          f"argmax {r['argmax_agreement']:.4f} max|diff| {r['max_abs_diff']:.2e}")
+for path in ("paged", "old"):
+    for r in report.get("steps", {}).get(path, []):
+        print(f"{path:5s} step B={r['B']:3d}: {r['ms']:9.3f} ms {r['tokens_per_s']:10.1f} tokens/s")
+for name, t in report["targets"].items():
+    print(f"target {name:28s} {t['value']!s:>8} (limit {t['limit']}): pass={t['pass']}")
+for note in report["notes"] + ([report["error"]] if "error" in report else []):
+    print("note:", note)
+EOF
+
 SPECDEC_TEST_DEVICE=cuda timeout "${TESTS_TIMEOUT_S:-300}" "$python" -m pytest -q -p no:cacheprovider -m "not slow" \
     ${PYTEST_ARGS:-} tests/test_services.py tests/test_sampling_services.py tests/test_seeded_determinism.py \
     tests/test_batching.py tests/test_inline_head.py tests/test_eagle_services.py tests/test_tree.py \
-    tests/test_dtype.py 2>&1 | tee "$out/pytest_cuda.log" | tail -40
+    tests/test_dtype.py tests/test_paged_serving.py tests/test_paged_cache.py 2>&1 | tee "$out/pytest_cuda.log" | tail -40
 tests=${PIPESTATUS[0]}
 echo "pytest on cuda: exit $tests"
-[ "$kernels" -eq 0 ] && [ "$tests" -eq 0 ]
+[ "$kernels" -eq 0 ] && [ "$paged" -eq 0 ] && [ "$step" -eq 0 ] && [ "$tests" -eq 0 ]

@@ -10,14 +10,17 @@ Side by side in one run, speculation off (one token per round, so a round is one
   Verifier.verify_batch) called in this process, B sessions per step, one token each: the
   step as the worker runs it, with no gRPC, coordinator or client.
 - **services**: `specdec serve target|draft|coordinator` as three processes on loopback
-  (plaintext links), B clients streaming at once through specdec's gRPC client.
+  (plaintext links), B clients streaming at once through specdec's gRPC client; the
+  coordinator sends each step as a message on one stream per worker replica.
+- **services (unary)**: the same workers behind a second coordinator started with
+  `--no-worker-streams`, which sends each step as a unary VerifyBatch call.
 - **up (mTLS)**: `specdec up` — coordinator and target worker in one process, the worker
   links on mutual TLS — the same clients.
 
 Per configuration: milliseconds per round after the first token (a client's time from its
 first token to its last / its rounds after the first; the worker loop: per step), tokens/s
 over all sessions, and the split's cost per round = services ms/round − worker ms/step.
-Every process runs `--threads` torch threads. Writes --out/round-cost.json and .md.
+Every process runs `--threads` torch threads. Writes --out/NAME.json and .md (--name).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from specdec.bench.services import SpecdecUp  # noqa: E402
 from specdec.client import Client, make_request  # noqa: E402
 
 PROMPT = "Count slowly from one to one hundred, one number per line."
+MODES = ("worker loop", "services", "services (unary)", "up (mTLS)")
 
 
 def worker_loop(model_dir: str, batch: int, rounds: int, threads: int) -> dict:
@@ -92,22 +96,26 @@ async def through(address: str, batch: int, rounds: int) -> dict:
             "tokens_per_s": sum(r[1] for r in results) / wall}
 
 
-def start_services(model_dir: str, threads: int, workdir: Path) -> list[ServiceProcess]:
+def start_services(model_dir: str, threads: int, workdir: Path) -> dict[str, ServiceProcess]:
+    """The two workers, and two coordinators in front of them: one sending steps on worker
+    streams, one ("coordinator-unary") as unary calls."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    ports = {name: free_port() for name in ("target", "draft", "coordinator")}
+    ports = {name: free_port() for name in ("target", "draft", "coordinator", "coordinator-unary")}
     common = ["--host", "127.0.0.1", "--grace-period", "1"]
+    links = ["--target-addr", f"127.0.0.1:{ports['target']}", "--draft-addr", f"127.0.0.1:{ports['draft']}",
+             "--tokenizer", model_dir, "--rate-limit", "0", "--http-port", "0"]
     argvs = {
         "target": ["serve", "target", "--port", str(ports["target"]), "--model", model_dir, *common],
         "draft": ["serve", "draft", "--port", str(ports["draft"]), "--model", "ngram", *common],
-        "coordinator": ["serve", "coordinator", "--port", str(ports["coordinator"]), "--http-port", "0", *common,
-                        "--target-addr", f"127.0.0.1:{ports['target']}", "--draft-addr", f"127.0.0.1:{ports['draft']}",
-                        "--tokenizer", model_dir, "--rate-limit", "0"],
+        "coordinator": ["serve", "coordinator", "--port", str(ports["coordinator"]), *common, *links],
+        "coordinator-unary": ["serve", "coordinator", "--port", str(ports["coordinator-unary"]), *common, *links,
+                              "--no-worker-streams"],
     }
-    services = [ServiceProcess(name, ports[name], argvs[name], workdir / f"{name}.log", env) for name in argvs]
-    for service in services:
+    services = {name: ServiceProcess(name, ports[name], argvs[name], workdir / f"{name}.log", env) for name in argvs}
+    for service in services.values():
         service.spawn()
-    for service in services:
+    for service in services.values():
         service.wait_serving(120.0)
     return services
 
@@ -120,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="alternating repeats of each configuration")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every process")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--name", default="round-cost", help="file name of the record, without .json / .md")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="specdec-round-cost-"))
@@ -138,49 +147,57 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for batch in batches:
             for repeat in range(args.repeats):
-                order = ["worker loop", "services", "up (mTLS)"]
+                order = list(MODES)
                 if repeat % 2:
                     order.reverse()
                 for mode in order:
                     if mode == "worker loop":
                         run = worker_loop(model_dir, batch, args.rounds, args.threads)
-                    elif mode == "services":
-                        run = loop.run_until_complete(through(f"127.0.0.1:{services[2].port}", batch, args.rounds))
+                    elif mode in ("services", "services (unary)"):
+                        coordinator = services["coordinator" if mode == "services" else "coordinator-unary"]
+                        run = loop.run_until_complete(through(f"127.0.0.1:{coordinator.port}", batch, args.rounds))
                     else:
                         run = loop.run_until_complete(through(up.address, batch, args.rounds))
                     run.update(batch=batch, mode=mode)
                     runs.append(run)
-                    print(f"B={batch:>3} {mode:>12}: {run['ms_per_round']:.2f} ms/round, "
+                    print(f"B={batch:>3} {mode:>16}: {run['ms_per_round']:.2f} ms/round, "
                           f"{run['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
     finally:
         up.close()
-        for service in services:
+        for service in services.values():
             service.stop()
     summary: dict = {}
     for batch in batches:
         row = {mode: {key: statistics.median(r[key] for r in runs if r["batch"] == batch and r["mode"] == mode)
                       for key in ("ms_per_round", "tokens_per_s")}
-               for mode in ("worker loop", "services", "up (mTLS)")}
-        for mode in ("services", "up (mTLS)"):
+               for mode in MODES}
+        for mode in MODES[1:]:
             row[mode]["split_ms_per_round"] = row[mode]["ms_per_round"] - row["worker loop"]["ms_per_round"]
             row[mode]["vs_worker_loop"] = row[mode]["tokens_per_s"] / row["worker loop"]["tokens_per_s"]
+        row["services"]["vs_unary_split"] = (row["services"]["split_ms_per_round"]
+                                             / row["services (unary)"]["split_ms_per_round"])
         summary[str(batch)] = row
     report = {"command": "python benchmarks/round_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": describe(args.threads), "config": vars(args) | {"model_dir": model_dir},
               "summary": summary, "runs": runs}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "round-cost.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"# The split's cost per round — {report['machine'].get('cpu_model', '')}", "",
              f"`{report['command']}`; speculation off (one token per round), {args.rounds} rounds per session, "
              f"medians of {args.repeats} alternating repeats, {args.threads} torch thread(s) per process.", "",
-             "| B | worker loop ms/step | services ms/round | split ms/round | up (mTLS) ms/round | split ms/round | "
-             "services tok/s vs worker loop |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "Services: steps on one stream per worker replica; services (unary): the same workers behind a "
+             "coordinator with `--no-worker-streams` (one VerifyBatch call per step).", "",
+             "| B | worker loop ms/step | services ms/round | split ms/round | services (unary) ms/round | "
+             "split ms/round | up (mTLS) ms/round | split ms/round | services tok/s vs worker loop |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for batch, row in summary.items():
         lines.append(f"| {batch} | {row['worker loop']['ms_per_round']:.2f} | {row['services']['ms_per_round']:.2f} | "
-                     f"{row['services']['split_ms_per_round']:+.2f} | {row['up (mTLS)']['ms_per_round']:.2f} | "
+                     f"{row['services']['split_ms_per_round']:+.2f} | "
+                     f"{row['services (unary)']['ms_per_round']:.2f} | "
+                     f"{row['services (unary)']['split_ms_per_round']:+.2f} | {row['up (mTLS)']['ms_per_round']:.2f} | "
                      f"{row['up (mTLS)']['split_ms_per_round']:+.2f} | {row['services']['vs_worker_loop']:.2f} |")
-    (out / "round-cost.md").write_text("\n".join(lines) + "\n")
+    (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -196,15 +196,18 @@ class StepCostModel:
     it computes, with a cost per session (its attention, its cache) on top (step timings in
     benchmarks/results/NOTES.md). With B rounds in the usual (median) step,
     `draft_token_cost()` = B·t_draft / t(usual) in units of a step: every request in the step
-    waits t_draft longer for each draft token; never below DRAFT_TOKEN_COST."""
+    waits t_draft longer for each draft token; never below DRAFT_TOKEN_COST. The fit runs
+    when a figure is read, at most once per step observed: `observe` is on every step's path,
+    and with speculation off nothing reads the figures."""
 
     def __init__(self) -> None:
         self.steps: deque[tuple[int, int, float]] = deque(maxlen=STEP_WINDOW)  # rounds, drafts, seconds
         self.rounds = 1.0  # rounds in the median decode step
         self.drafts = 0.0  # draft rows in the median decode step
         self.drafting = 0.0  # decayed share of rounds that carry drafts
-        self.step_s = 0.0  # the usual decode step's duration
+        self._step_s = 0.0  # the usual decode step's duration
         self._cost = DRAFT_TOKEN_COST
+        self._stale = False  # steps observed since the last fit
 
     def observe(self, rows: int, seconds: float, rounds: int, drafts: int = 0, drafting: int = 0) -> None:
         """A step: its rows, duration, rounds, draft rows and rounds with drafts."""
@@ -213,10 +216,14 @@ class StepCostModel:
         share = drafting / rounds
         self.drafting = share if not self.steps else STEP_DECAY * self.drafting + (1 - STEP_DECAY) * share
         self.steps.append((rounds, drafts, seconds))
+        self._stale = True
+
+    def _refit(self) -> None:
+        self._stale = False
         usual = sorted(self.steps)[len(self.steps) // 2]
         self.rounds, self.drafts = float(usual[0]), float(usual[1])
         base, per_draft = self.fit()
-        self.step_s = base
+        self._step_s = base
         cost = self.rounds * per_draft / base if base > 0 else MAX_DRAFT_TOKEN_COST
         self._cost = min(MAX_DRAFT_TOKEN_COST, max(DRAFT_TOKEN_COST, cost))
 
@@ -240,7 +247,16 @@ class StepCostModel:
         usual = float(t0 + per_round * self.rounds + per_draft * self.drafts)
         return max(usual, 1e-6), per_draft
 
+    @property
+    def step_s(self) -> float:
+        """The usual decode step's duration, in seconds (0 before any)."""
+        if self._stale:
+            self._refit()
+        return self._step_s
+
     def draft_token_cost(self) -> float:
+        if self._stale:
+            self._refit()
         return self._cost
 
     def propose_cost(self, propose: RoundTimes) -> float:

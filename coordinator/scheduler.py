@@ -3,8 +3,9 @@
 Every request runs its own round loop (coordinator.rounds); when a round needs a worker, it
 does not call the worker itself but queues its part of the next *step* on the replica that
 holds its session. One step per replica is in flight at a time, and one step is ONE batched
-call (VerifyBatch / ProposeBatch) that the worker runs as one forward pass over all the
-sessions in it (specdec.runtime.packed). While a step runs, the rounds of other requests queue up;
+request (a message on the replica's step stream, coordinator.step_stream, or a VerifyBatch /
+ProposeBatch call) that the worker runs as one forward pass over all the sessions in it
+(specdec.runtime.packed). While a step runs, the rounds of other requests queue up;
 when it returns, every queued round (up to the step's budget) goes in the next one. So
 requests join and leave between steps, a finished or cancelled request simply stops
 queueing, and nobody waits for anyone's whole generation — the iteration-level scheduling
@@ -88,6 +89,11 @@ def _time_out(future: asyncio.Future) -> None:
         future.set_exception(TimeoutError())
 
 
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 class StepBatcher:
     """Queues rounds for one worker replica and sends them as batched steps."""
 
@@ -102,13 +108,15 @@ class StepBatcher:
         self.max_rounds = max_rounds
         self._on_step = on_step
         self._queue: deque[_Queued] = deque()
+        self._queued_gauge = metrics.COORDINATOR_QUEUED.labels(kind)  # looked up once, not per round
         self._task: asyncio.Task | None = None
         self.steps = 0
         self.gather = gather
         self._awaited: set[str] = set()  # requests answered by the last step, not back yet
-        self._all_back = asyncio.Event()
+        self._all_back: asyncio.Future | None = None  # while gathering: resolved when all are back
         self._step_s = 0.0  # decayed duration of a step (its call, start to answer)
         self._in_flight: set[str] = set()  # keys of the rounds in the step being sent
+        self._late: dict[str, asyncio.Future] = {}  # keys of rounds in steps past their deadline, still running
         self._step_over = asyncio.Event()
 
     @property
@@ -124,7 +132,7 @@ class StepBatcher:
         queued = _Queued(request, key, tokens, loop.create_future(), loop.time() + timeout_s)
         self._queue.append(queued)
         self.forget(key)
-        metrics.COORDINATOR_QUEUED.labels(self.kind).inc()
+        self._queued_gauge.inc()
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._run())
         # A timer on the round's own future rather than wait_for(shield(...)): no extra
@@ -145,14 +153,14 @@ class StepBatcher:
             head = self._queue[0]
             if head.future.done() or head.deadline <= now:  # cancelled, or too late to matter
                 self._queue.popleft()
-                metrics.COORDINATOR_QUEUED.labels(self.kind).dec()
+                self._queued_gauge.dec()
                 if not head.future.done():
                     head.future.set_exception(RoundFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "expired in the queue"))
                 continue
             if step and tokens + head.tokens > self.token_budget:
                 break
             self._queue.popleft()
-            metrics.COORDINATOR_QUEUED.labels(self.kind).dec()
+            self._queued_gauge.dec()
             step.append(head)
             tokens += head.tokens
         return step
@@ -176,6 +184,7 @@ class StepBatcher:
                         q.future.set_exception(RoundFailed(grpc.StatusCode.CANCELLED, "the coordinator is stopping"))
                 raise
             except grpc.aio.AioRpcError as exc:
+                self._wait_late(step, getattr(exc, "late", None))
                 for q in step:
                     if not q.future.done():
                         q.future.set_exception(RoundFailed(exc.code(), exc.details() or exc.code().name))
@@ -208,30 +217,53 @@ class StepBatcher:
                         self._awaited.add(q.key)
             await self._gather()
 
+    def _wait_late(self, step: list, late: asyncio.Future | None) -> None:
+        """A step given up on locally (its deadline) that still runs on the worker (a step
+        stream cannot cancel it there): its rounds stay unsettled until the worker answers."""
+        if late is None or late.done():
+            return
+        keys = [q.key for q in step if q.key]
+        for key in keys:
+            self._late[key] = late
+
+        def over(_) -> None:
+            for key in keys:
+                if self._late.get(key) is late:
+                    del self._late[key]
+
+        late.add_done_callback(over)
+
     async def settled(self, key: str) -> None:
         """Returns once no step in flight carries a round of `key` (the worker has answered
-        it, or the call failed): a Release sent after this cannot overtake the round."""
+        it, or the call failed and cannot still run there): a Release sent after this cannot
+        overtake the round."""
         while key in self._in_flight:
             await self._step_over.wait()
+        late = self._late.get(key)
+        if late is not None:
+            await asyncio.wait({late})  # neither raises its error nor cancels it
 
     def forget(self, key: str) -> None:
         """The request is back (or finished): the step need not wait for it."""
         if key in self._awaited:
             self._awaited.discard(key)
-            if not self._awaited:
-                self._all_back.set()
+            if not self._awaited and self._all_back is not None:
+                _resolve(self._all_back)
 
     async def _gather(self) -> None:
         """Waits (briefly) for the requests the last step answered to queue again."""
         if not self._awaited:
             return
-        self._all_back.clear()
-        window = min(GATHER_MAX_S, GATHER_FRACTION * self._step_s)
+        # A future and a timer rather than wait_for(event.wait()): no task per step.
+        loop = asyncio.get_running_loop()
+        back = self._all_back = loop.create_future()
+        timer = loop.call_later(min(GATHER_MAX_S, GATHER_FRACTION * self._step_s), _resolve, back)
         try:
-            await asyncio.wait_for(self._all_back.wait(), window)
-        except TimeoutError:
-            pass
-        self._awaited.clear()  # late ones are not waited for again
+            await back
+        finally:
+            timer.cancel()
+            self._all_back = None
+            self._awaited.clear()  # late ones are not waited for again
 
     async def close(self) -> None:
         if self._task is not None and not self._task.done():
@@ -239,6 +271,6 @@ class StepBatcher:
             await asyncio.gather(self._task, return_exceptions=True)
         while self._queue:
             q = self._queue.popleft()
-            metrics.COORDINATOR_QUEUED.labels(self.kind).dec()
+            self._queued_gauge.dec()
             if not q.future.done():
                 q.future.set_exception(RoundFailed(grpc.StatusCode.UNAVAILABLE, "the coordinator is stopping"))

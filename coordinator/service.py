@@ -187,7 +187,7 @@ async def connect(config: CoordinatorConfig, tokenizer=None, startup_timeout_s: 
     client_args = dict(timeout_s=config.worker_timeout_s, retries=config.worker_retries,
                        backoff_s=config.retry_backoff_s, max_message_bytes=config.server.max_message_bytes,
                        resolve_interval_s=config.resolve_interval_s, health_interval_s=config.health_interval_s,
-                       resolver=resolver, batching=config.batching,
+                       resolver=resolver, batching=config.batching, streams=config.worker_streams,
                        step_token_budget=config.step_token_budget, max_batch_rounds=config.max_batch_rounds,
                        keepalive_s=config.worker_keepalive_s, keepalive_timeout_s=config.worker_keepalive_timeout_s,
                        ejection=EjectionPolicy(config.eject_after_failures, config.eject_base_s, config.eject_max_s,

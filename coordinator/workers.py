@@ -7,7 +7,11 @@ Bounds, so nothing hangs: a call waits at most `timeout_s`; a round tries at mos
 over 5 retries: ~6 s of back-off) and then fails UNAVAILABLE. The draft side is impatient by
 design: if no draft replica can answer at once, the round goes on with the target alone.
 A target round a replica holds past the tail of the pool's latencies may also be sent to a
-second replica, the first answer winning (coordinator.hedging)."""
+second replica, the first answer winning (coordinator.hedging).
+
+With batching on, a replica's batched steps go over one long-lived stream to it
+(coordinator.step_stream), which fails a step exactly as the unary call would have; with
+`streams` off, or to a replica that predates the streams, each step is a unary call."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from coordinator.adaptive import DRAFT_TOKEN_COST, PROPOSE_COST, RoundTimes, Ste
 from coordinator.hedging import HedgePolicy, Hedger
 from coordinator.pool import EjectionPolicy, Replica, WorkerPool, resolve_dns
 from coordinator.scheduler import RoundFailed, StepBatcher
+from coordinator.step_stream import StepStream, StreamUnsupported, rpc_error
 from specdec import metrics
 from specdec.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from specdec.logs import REQUEST_ID_KEY
@@ -155,7 +160,8 @@ class WorkerClient:
     def __init__(self, endpoints: str, timeout_s: float, retries: int, backoff_s: float, max_message_bytes: int,
                  resolve_interval_s: float = 5.0, health_interval_s: float = 1.0, resolver=resolve_dns,
                  tls=None, batching: bool = True, step_token_budget: int = 512, max_batch_rounds: int = 32,
-                 ejection: EjectionPolicy | None = None, keepalive_s: float = 0.0, keepalive_timeout_s: float = 5.0):
+                 ejection: EjectionPolicy | None = None, keepalive_s: float = 0.0, keepalive_timeout_s: float = 5.0,
+                 streams: bool = True):
         self.timeout_s = timeout_s
         # The draft's deadline is short: waiting long for a suggestion defeats its purpose.
         self.call_timeout_s = min(timeout_s, DRAFT_TIMEOUT_S) if not self.patient else timeout_s
@@ -181,6 +187,10 @@ class WorkerClient:
         self.max_batch_rounds = max_batch_rounds
         self.round_times = RoundTimes()  # rounds that got an answer, retries included
         self._batchers: dict[str, StepBatcher] = {}
+        # Steps go over one long-lived stream per replica (coordinator.step_stream) unless
+        # off, or the replica predates the streams (then unary calls, for good).
+        self.streams = streams
+        self._streams: dict[str, StepStream] = {}
         # Hedged rounds (coordinator.hedging; targets only, None: off), and the background
         # releases of the sessions their losing calls left behind.
         self.hedger: Hedger | None = None
@@ -209,6 +219,8 @@ class WorkerClient:
         await asyncio.gather(*self._background, return_exceptions=True)
         for batcher in list(self._batchers.values()):
             await batcher.close()
+        for stream in list(self._streams.values()):
+            await stream.close()
         await self.pool.close()
 
     def _batcher(self, replica: Replica) -> StepBatcher:
@@ -220,16 +232,45 @@ class WorkerClient:
                 self.pool.review_ejections()
                 current = self.pool.replicas.get(address)
                 if current is None or current.ejected:  # rounds queued before it went: elsewhere
-                    raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
-                                               f"replica {address} " + ("is ejected" if current else "left the pool"))
-                return await self._send_batch(self.stub(current), requests, timeout_s)
+                    raise rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                    f"replica {address} " + ("is ejected" if current else "left the pool"))
+                return await self._send_step(current, requests, timeout_s)
 
             batcher = self._batchers[address] = StepBatcher(
                 self.kind, send, self.step_token_budget, self.max_batch_rounds,
                 on_step=lambda response, requests: self._on_step(address, response, requests), gather=self.gathers)
         return batcher
 
-    async def _send_batch(self, stub, requests: list, timeout_s: float):
+    async def _send_step(self, replica: Replica, requests: list, timeout_s: float):
+        """One batched step: a message on the replica's step stream, or a unary call where
+        streams are off or the replica has none. Fails as the unary call would."""
+        if self.streams:
+            stream = self._streams.get(replica.address)
+            if stream is None or stream.channel is not replica.channel:
+                stub = self.stub(replica)
+                stream = self._streams[replica.address] = StepStream(
+                    lambda: self._open_stream(stub), f"{self.kind} replica {replica.address}", replica.channel)
+            if not stream.unsupported:
+                loop = asyncio.get_running_loop()
+                began = loop.time()
+                try:
+                    return await stream.step(self._batch(requests), timeout_s)
+                except StreamUnsupported:
+                    log.warning("%s replica %s serves no step stream (an older worker): unary calls to it from "
+                                "now on", self.kind, replica.address)
+                    timeout_s = max(0.001, timeout_s - (loop.time() - began))
+        return await self._unary_batch(self.stub(replica))(self._batch(requests), timeout=timeout_s)
+
+    def _batch(self, requests: list):
+        """The batched request (VerifyBatchRequest / ProposeBatchRequest) of `requests`."""
+        raise NotImplementedError
+
+    def _open_stream(self, stub):
+        """Starts the replica's step stream call (VerifyStream / ProposeStream)."""
+        raise NotImplementedError
+
+    def _unary_batch(self, stub):
+        """The unary batched call (VerifyBatch / ProposeBatch)."""
         raise NotImplementedError
 
     def _on_step(self, address: str, response, requests: list) -> None:
@@ -605,8 +646,14 @@ class DraftClient(WorkerClient):
     def _make_stub(self, channel):
         return draft_pb2_grpc.DraftWorkerStub(channel)
 
-    async def _send_batch(self, stub, requests: list, timeout_s: float):
-        return await stub.ProposeBatch(draft_pb2.ProposeBatchRequest(rounds=requests), timeout=timeout_s)
+    def _batch(self, requests: list):
+        return draft_pb2.ProposeBatchRequest(rounds=requests)
+
+    def _open_stream(self, stub):
+        return stub.ProposeStream()
+
+    def _unary_batch(self, stub):
+        return stub.ProposeBatch
 
     async def propose(self, session: WorkerSession, committed: list[int], k: int,
                       features: FeatureLog | None = None) -> draft_pb2.DraftBlock:
@@ -654,8 +701,14 @@ class TargetClient(WorkerClient):
             return bool(self.heads[session.replica])
         return bool(self.head)
 
-    async def _send_batch(self, stub, requests: list, timeout_s: float):
-        return await stub.VerifyBatch(target_pb2.VerifyBatchRequest(rounds=requests), timeout=timeout_s)
+    def _batch(self, requests: list):
+        return target_pb2.VerifyBatchRequest(rounds=requests)
+
+    def _open_stream(self, stub):
+        return stub.VerifyStream()
+
+    def _unary_batch(self, stub):
+        return stub.VerifyBatch
 
     def _on_step(self, address: str, response, requests: list) -> None:
         drafts = sum(len(r.draft_tokens) for r in requests)

@@ -3,25 +3,36 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 
-from specdec.eagle.policy import EagleDrafter
 from draft_worker.drafters.model import ModelDrafter
 from draft_worker.drafters.ngram import ID_BYTES, NgramDrafter
 from draft_worker.propose import Proposer, Request
-from specdec import logs, metrics
+from specdec import eagle, logs, metrics
 from specdec.config import WorkerConfig
-from specdec.runtime.load import serving_lm
-from specdec.runtime.precision import serving_dtype
-from specdec.errors import FailedPrecondition, InvalidArgument
-from specdec import eagle
 from specdec.eagle.checkpoint import is_eagle_dir
+from specdec.eagle.policy import EagleDrafter
+from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.models import NGRAM, load_model, load_tokenizer, vocab_hash, weights_dtype
-from specdec.serving import ModelThread, RunningServer, start_server, start_worker_upkeep, step_and_observe
+from specdec.runtime.load import paged_pool_bytes, serving_lm
+from specdec.runtime.precision import serving_dtype
+from specdec.serving import (
+    ModelThread,
+    RunningServer,
+    start_server,
+    start_worker_upkeep,
+    step_and_observe,
+)
 from specdec.sessions import Resync, SessionStore
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.worker_info import DEFAULT_MAX_BATCH_ROUNDS, SessionWorkerRpcs, model_info, round_error
+from specdec.worker_info import (
+    DEFAULT_MAX_BATCH_ROUNDS,
+    SessionWorkerRpcs,
+    model_info,
+    round_error,
+)
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftWorker"].full_name
@@ -84,11 +95,17 @@ class DraftWorkerServicer(SessionWorkerRpcs, draft_pb2_grpc.DraftWorkerServicer)
         log.debug("propose batch: %d rounds, %.1f ms", len(requests), outcome.step_s * 1e3)
         return response
 
+    async def ProposeStream(self, request_iterator: AsyncIterator[draft_pb2.ProposeBatchRequest],
+                            context: grpc.aio.ServicerContext) -> None:
+        # Each step is a ProposeBatch call's work, answered on the stream (specdec.step_streams).
+        await self.streams.serve(context, self.ProposeBatch, draft_pb2.ProposeBatchResponse)
+
 
 def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> DraftWorkerServicer:
     """Builds the drafter named by config.model (loading a model unless given one, on the
     model thread that runs it afterwards: see ModelThread.call)."""
     thread = ModelThread("draft")
+    lm = None  # a model drafter's CausalLM
     if config.model == NGRAM and model is None:
         drafter = NgramDrafter()
         info = common_pb2.WorkerInfo(model=NGRAM, fingerprint=drafter.fingerprint)
@@ -124,13 +141,19 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> DraftWor
         def load():
             loaded, loaded_tokenizer = (model, tokenizer) if model is not None else load_model(
                 config.model, dtype=serving_dtype(config.dtype, config.device), device=config.device)
-            return serving_lm(loaded, config.cpu_fast_path), model_info(config.model, loaded, loaded_tokenizer)
+            info = model_info(config.model, loaded, loaded_tokenizer)
+            lm = serving_lm(loaded, config.cpu_fast_path, config.kv_cache, max_cache_bytes=paged_pool_bytes(config),
+                            kv_memory_fraction=config.kv_memory_fraction, block_size=config.kv_block_size,
+                            namespace=info.fingerprint)
+            return lm, info
 
         lm, info = thread.call(load)
         drafter = ModelDrafter(config.model, lm)
         bytes_per_token = lm.bytes_per_token
     info.max_batch_rounds = config.max_batch_rounds
     store = SessionStore(config.max_sessions, config.max_cache_bytes, bytes_per_token, config.session_ttl_s)
+    if lm is not None:
+        thread.call(lm.bind, store)
     return DraftWorkerServicer(Proposer(drafter, store, config.max_k), info, thread)
 
 
@@ -142,5 +165,6 @@ async def serve(config: WorkerConfig, servicer: DraftWorkerServicer | None = Non
         [SERVICE_NAME],
         on_stop=servicer.thread.shutdown,
     )
+    running.companions.append(servicer.streams)  # step streams drain with the server
     start_worker_upkeep(running, servicer.thread, servicer.store, "draft", config.stall_timeout_s)
     return running

@@ -17,6 +17,7 @@ MAX_K = 16
 # --dtype: the weights' element type (specdec.runtime.precision); "auto": bfloat16 on CUDA,
 # float32 elsewhere. Logits are float32 whatever it is.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHES = ("auto", "paged", "buffered")
 
 
 @dataclass
@@ -87,6 +88,15 @@ class WorkerConfig:
     """Health goes NOT_SERVING, and model calls are refused UNAVAILABLE, while the model
     thread has work and finishes no step for this many seconds; SERVING again once a step
     finishes. 0: no watchdog."""
+    kv_cache: str = "auto"
+    """The KV cache, one of KV_CACHES: "paged" (one pool of fixed-size blocks for every
+    session, one forward per step, prefix caching: specdec.runtime.paged_lm), "buffered" (a
+    cache per session: specdec.runtime.lm), "auto" (paged on CUDA, buffered elsewhere)."""
+    kv_memory_fraction: float = 0.9
+    """On CUDA, the share of the memory free after loading the weights that the paged pool
+    takes; on CPU the pool is max_cache_bytes."""
+    kv_block_size: int = 16
+    """Tokens per block of the paged pool."""
 
 
 @dataclass
@@ -173,6 +183,9 @@ class CoordinatorConfig:
     batching: bool = True
     """Continuous batching: rounds of many requests go to a worker as one batched step
     (coordinator.scheduler); False: one call per round."""
+    worker_streams: bool = True
+    """With batching: a replica's steps go over one long-lived stream to it (VerifyStream /
+    ProposeStream, coordinator.step_stream); False: one unary call per step."""
     step_token_budget: int = 512
     """Tokens (uncached committed + drafts) one step carries, about (one larger round goes alone)."""
     max_batch_rounds: int = 32

@@ -4,6 +4,7 @@ them to gRPC status codes. Handlers never pick status codes for these themselves
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -59,7 +60,9 @@ class Unavailable(SpecdecError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
-def _status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status a handler's exception becomes (what the interceptor below sends, and what a
+    step stream puts in a failed step's answer, specdec.step_streams)."""
     if isinstance(exc, SpecdecError):
         return exc.code, str(exc)
     if isinstance(exc, grpc.aio.AioRpcError):
@@ -95,8 +98,17 @@ def _malformed_message(request: _Malformed) -> str:
     return f"malformed request: {request.error} (string fields must be valid UTF-8)"
 
 
+def refuse_malformed(request) -> None:
+    """Raises InvalidArgument for a message of a client stream that did not parse: a
+    bidirectional handler reads its requests itself (context.read()), past the interceptor."""
+    if isinstance(request, _Malformed):
+        raise InvalidArgument(_malformed_message(request))
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps every unary and server-streaming handler so that typed errors become statuses."""
+    """Wraps every unary, server-streaming and coroutine bidirectional handler so that typed
+    errors become statuses. A bidirectional handler reads its requests through its context:
+    it calls `refuse_malformed` on each."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -114,6 +126,13 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
+        if handler.stream_stream is not None and inspect.iscoroutinefunction(handler.stream_stream):
+            # Not reflection's, an async generator: it maps nothing of ours.
+            return grpc.stream_stream_rpc_method_handler(
+                _wrap_unary(handler.stream_stream),  # its "request" is the request iterator
+                request_deserializer=_lenient(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
         return handler
 
 
@@ -126,7 +145,7 @@ def _wrap_unary(behavior: Callable[..., Awaitable]):
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001 - this is the one place that maps them
-            code, message = _status_for(exc)
+            code, message = status_for(exc)
             await context.abort(code, message)
 
     return wrapped
@@ -142,7 +161,7 @@ def _wrap_stream(behavior: Callable[..., AsyncIterator]):
         except grpc.aio.AbortError:
             raise
         except Exception as exc:  # noqa: BLE001
-            code, message = _status_for(exc)
+            code, message = status_for(exc)
             await context.abort(code, message)
 
     return wrapped

@@ -183,8 +183,9 @@ class RunningServer:
     service_names: list[str]
     config: ServerConfig
     on_stop: Callable[[], None] | None = None
-    # Servers of the same service on other protocols (the coordinator's HTTP API), each with
-    # `async stop(grace)`: they drain together with this one.
+    # What drains together with this one, each with `async stop(grace)`: servers of the same
+    # service on other protocols (the coordinator's HTTP API), and long-lived streams that must
+    # end within the grace (the coordinator's Generate streams, a worker's step streams).
     companions: list = field(default_factory=list)
     # The plaintext listener of the health service alone (ServerConfig.health_port), and its port.
     health_server: grpc.aio.Server | None = None

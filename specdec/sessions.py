@@ -100,6 +100,12 @@ class SessionStore:
         self._held = 0  # Σ session.held over the sessions in the store
         self.evictions = 0
         self.expirations = 0
+        self.on_drop: Callable[[Session], None] | None = None
+        """Called with every session that leaves (release, eviction, expiry): a paged KV
+        pool gives its blocks back there."""
+        self.measure: Callable[[], int] | None = None
+        """Where set, what `cache_bytes` reports and the budget reads: the memory a shared
+        pool really holds (blocks shared by sessions counted once)."""
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -112,8 +118,8 @@ class SessionStore:
         return self._sessions.get(session_id)
 
     def cache_bytes(self) -> int:
-        """Bytes the sessions' caches keep allocated, as last accounted."""
-        return self._held
+        """Bytes the sessions' caches keep allocated, as last accounted (or measured)."""
+        return self.measure() if self.measure is not None else self._held
 
     def account(self, session: Session, held: int | None = None) -> None:
         """Records what `session` holds now: `held` bytes as the worker measured them after a
@@ -166,7 +172,19 @@ class SessionStore:
         session = self._sessions.pop(session_id, None)
         if session is not None:
             self._held -= session.held
+            if self.on_drop is not None:
+                self.on_drop(session)
         return session
+
+    def evict_lru(self, keep: Callable[[Session], bool]) -> bool:
+        """Evicts the least recently used session `keep` does not hold on to; False when
+        every session is kept."""
+        victim = next((sid for sid, session in self._sessions.items() if not keep(session)), None)
+        if victim is None:
+            return False
+        self._drop(victim)
+        self.evictions += 1
+        return True
 
     def enforce_budget(self, keep: str | None = None) -> None:
         """Evicts least recently used sessions (never `keep`) until under the byte budget."""

@@ -12,6 +12,7 @@ from specdec.errors import FailedPrecondition, SpecdecError
 from specdec.models import (
     eos_token_ids, fingerprint_config, max_context, vocab_hash, weights_dtype, weights_fingerprint,
 )
+from specdec.step_streams import StepStreams
 from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -64,9 +65,18 @@ def check_compatible(target: common_pb2.WorkerInfo, draft: common_pb2.WorkerInfo
 
 
 class SessionWorkerRpcs:
-    """Release and GetInfo, the same on both workers. Mixed into each worker's servicer,
-    which provides `kind` ("target" or "draft", its metrics label), `store` (SessionStore),
-    `thread` (ModelThread) and `_info`."""
+    """Release and GetInfo, the same on both workers, and the servicer's step streams.
+    Mixed into each worker's servicer, which provides `kind` ("target" or "draft", its
+    metrics label), `store` (SessionStore), `thread` (ModelThread) and `_info`."""
+
+    @property
+    def streams(self) -> StepStreams:
+        """The servicer's open step streams (VerifyStream / ProposeStream), which drain with
+        its server (a companion of it: serving.RunningServer.companions)."""
+        streams = self.__dict__.get("_step_streams")
+        if streams is None:
+            streams = self._step_streams = StepStreams(self.kind)
+        return streams
 
     async def Release(self, request: common_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.ReleaseResponse:

@@ -3,21 +3,34 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 
 import grpc
 
 from specdec import logs, metrics
 from specdec.config import WorkerConfig
-from specdec.runtime.load import serving_lm
-from specdec.runtime.precision import serving_dtype
-from specdec.models import load_model
-from specdec.sampling import Sampling
-from specdec.serving import ModelThread, RunningServer, start_server, start_worker_upkeep, step_and_observe
 from specdec.errors import FailedPrecondition, InvalidArgument
+from specdec.models import load_model
+from specdec.runtime.load import paged_pool_bytes, serving_lm
+from specdec.runtime.precision import serving_dtype
+from specdec.sampling import Sampling
+from specdec.serving import (
+    ModelThread,
+    RunningServer,
+    start_server,
+    start_worker_upkeep,
+    step_and_observe,
+)
 from specdec.sessions import Resync, SessionStore
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from specdec.worker_info import DEFAULT_MAX_BATCH_ROUNDS, SessionWorkerRpcs, model_info, round_error
+from specdec.worker_info import (
+    DEFAULT_MAX_BATCH_ROUNDS,
+    SessionWorkerRpcs,
+    model_info,
+    round_error,
+)
 from target_worker.head import load_inline_head
+from target_worker.kernels.ops import paged_attention
 from target_worker.verify import Round, Verifier
 
 log = logging.getLogger(__name__)
@@ -84,6 +97,11 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
         log.debug("verify batch: %d rounds, %d rows, %.1f ms", len(rounds), outcome.rows, outcome.step_s * 1e3)
         return response
 
+    async def VerifyStream(self, request_iterator: AsyncIterator[target_pb2.VerifyBatchRequest],
+                           context: grpc.aio.ServicerContext) -> None:
+        # Each step is a VerifyBatch call's work, answered on the stream (specdec.step_streams).
+        await self.streams.serve(context, self.VerifyBatch, target_pb2.VerifyBatchResponse)
+
 
 def _verdict(result) -> target_pb2.Verdict:
     return target_pb2.Verdict(accepted=result.accepted, next_token=result.next_token, cached_len=result.cached_len,
@@ -103,8 +121,11 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None, head=None) 
             config.model, dtype=serving_dtype(config.dtype, config.device), device=config.device)
         inline = load_inline_head(config.head, loaded, head, fast=config.cpu_fast_path,
                                   min_chain_prob=config.min_chain_prob, min_alt_prob=config.min_alt_prob)
-        return (serving_lm(loaded, config.cpu_fast_path), model_info(config.model, loaded, loaded_tokenizer),
-                inline)
+        info = model_info(config.model, loaded, loaded_tokenizer)
+        lm = serving_lm(loaded, config.cpu_fast_path, config.kv_cache, max_cache_bytes=paged_pool_bytes(config),
+                        kv_memory_fraction=config.kv_memory_fraction, block_size=config.kv_block_size,
+                        attention=paged_attention, namespace=info.fingerprint)
+        return lm, info, inline
 
     lm, info, inline = thread.call(load)
     info.max_batch_rounds = config.max_batch_rounds
@@ -123,6 +144,7 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None, head=None) 
         info.head_fingerprint = inline.fingerprint
         bytes_per_token += inline.bytes_per_token
     store = SessionStore(config.max_sessions, config.max_cache_bytes, bytes_per_token, config.session_ttl_s)
+    thread.call(lm.bind, store)
     return TargetWorkerServicer(Verifier(lm, store, config.max_k, inline), info, thread)
 
 
@@ -134,5 +156,6 @@ async def serve(config: WorkerConfig, servicer: TargetWorkerServicer | None = No
         [SERVICE_NAME],
         on_stop=servicer.thread.shutdown,
     )
+    running.companions.append(servicer.streams)  # step streams drain with the server
     start_worker_upkeep(running, servicer.thread, servicer.store, "target", config.stall_timeout_s)
     return running

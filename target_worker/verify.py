@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from specdec.errors import InvalidArgument, SpecdecError
-from specdec.runtime.lm import CausalLM
 from specdec.philox import round_uniforms
+from specdec.runtime.lm import CausalLM
 from specdec.sampling import GREEDY, Sampling
 from specdec.sessions import Resync, Session, SessionStore, SyncedContext
 from target_worker.kernels import ops
@@ -201,9 +201,16 @@ class Verifier:
                 results[i] = synced
                 continue
             alternatives = self._alternatives(rnd, synced.session)
-            fed = self.lm.prepare(synced) + rnd.drafts + [token for _, token in alternatives]
+            # A head here, or the wire, needs the states of every position the session feeds.
+            reuse = self.head is None and not rnd.features
+            fed = self.lm.prepare(synced, reuse_prefix=reuse) + rnd.drafts + [token for _, token in alternatives]
             blocks.append(_Block(i, rnd, synced, fed, alternatives))
-        return blocks
+        # Room in the cache before the step: a round that cannot fit fails alone.
+        refused = self.lm.admit([block.session for block in blocks], [len(block.fed) for block in blocks])
+        for block, error in zip(blocks, refused):
+            if error is not None:
+                results[block.index] = error
+        return [block for block, error in zip(blocks, refused) if error is None]
 
     def _score(self, blocks: list[_Block]) -> list[_Score]:
         """ONE forward pass over every block, then each round's (accepted, next token)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,10 @@ LOOPBACK = "127.0.0.1"
 
 
 def worker_config(name: str, port: int = 0, host: str = LOOPBACK) -> WorkerConfig:
-    return WorkerConfig(model=name, server=ServerConfig(host=host, port=port, grace_period_s=1.0))
+    """SPECDEC_KV_CACHE=paged runs every service test over the paged KV pool (as the flag's
+    variable does for `specdec serve`)."""
+    return WorkerConfig(model=name, server=ServerConfig(host=host, port=port, grace_period_s=1.0),
+                        kv_cache=os.environ.get("SPECDEC_KV_CACHE", "auto"))
 
 
 async def start_target(model, tokenizer, port: int = 0, host: str = LOOPBACK, head=None, **options):

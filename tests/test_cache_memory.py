@@ -25,6 +25,8 @@ from tests.test_services import chat_ids
 
 PROMPT = list(range(5, 25))
 cpu_only = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="the buffered KV cache is the CPU fast path's")
+# The buffered caches, whatever SPECDEC_KV_CACHE says (a paged pool is tested in test_paged_serving).
+BUFFERED = {"kv_cache": "buffered"}
 
 
 @pytest.fixture(scope="module")
@@ -269,8 +271,8 @@ def test_a_worker_budget_holds_fewer_short_sessions_than_tokens_would(target, dr
 
     async def scenario():
         async with running_stack(target, tokenizer, draft=draft,
-                                 target_options={"max_cache_bytes": budgets["target"]},
-                                 draft_options={"max_cache_bytes": budgets["draft"]}) as stack:
+                                 target_options={"max_cache_bytes": budgets["target"], **BUFFERED},
+                                 draft_options={"max_cache_bytes": budgets["draft"], **BUFFERED}) as stack:
             verifier, proposer = stack.target_servicer.verifier, stack.draft_servicer.proposer
             verifier.verify_batch = watched("target", verifier.store, verifier.verify_batch,
                                             lambda rounds: [r.session_id for r in rounds])

@@ -27,7 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from target_worker.kernels import greedy_verify, rejection_sample, warp
+from target_worker.kernels import greedy_verify, paged_attention, rejection_sample, warp
 from target_worker.kernels.launch import is_interpreted
 
 BLOCK_V = 4096
@@ -67,15 +67,32 @@ cases = {
         dict(KEY_MIN=warp.KEY_MIN, KEY_MAX=warp.KEY_MAX, SIGN_FLIP=warp.SIGN_FLIP,
              BLOCK_V=BLOCK_V)),
 }
+# Paged attention at a Llama-3-8B layer's shape (Hq / Hkv = 32 / 8, D = 128), block size 16.
+for dtype in ("bf16", "fp32"):
+    for tree in (False, True):
+        cases[f"paged_attention_{dtype}" + ("_tree" if tree else "")] = (
+            paged_attention._paged_attention_kernel,
+            dict(q_ptr=f"*{dtype}", k_pool_ptr=f"*{dtype}", v_pool_ptr=f"*{dtype}",
+                 block_tables_ptr="*i32", context_lens_ptr="*i32", query_starts_ptr="*i32",
+                 token_sessions_ptr="*i32", tree_mask_ptr="*u8", out_ptr=f"*{dtype}",
+                 max_blocks="i32", max_queries="i32", qk_scale="fp32"),
+            dict(HQ=32, HKV=8, HEAD_DIM=128, BLOCK_SIZE=16, TILE=paged_attention.TILE_POSITIONS,
+                 BLOCK_H=paged_attention.MIN_DOT_ROWS, BLOCK_D=128, HAS_TREE=tree,
+                 DOT_FP32=dtype == "fp32"),
+            paged_attention.NUM_WARPS,
+        )
 sizes = {}
-for name, (kernel, signature, constexprs) in cases.items():
+for name, (kernel, signature, constexprs, *num_warps) in cases.items():
     assert not is_interpreted(kernel), "TRITON_INTERPRET leaked into the compile subprocess"
+    # Pointers 16-byte aligned, as torch allocates them and as a launch specialises on.
+    aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values())
+               if kind.startswith("*")}
     for key, value in constexprs.items():
         signature[key] = "constexpr"
-    source = ASTSource(kernel, signature, constexprs)
+    source = ASTSource(kernel, signature, constexprs, aligned)
     for arch in [int(a) for a in sys.argv[1:]]:
         compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                                  options=dict(num_warps=8))
+                                  options=dict(num_warps=num_warps[0] if num_warps else 8))
         sizes[f"{name}/sm_{arch}"] = len(compiled.asm["cubin"])
 print(json.dumps(sizes))
 """
@@ -94,7 +111,8 @@ def test_every_kernel_compiles_to_cubin_for_sm80_and_sm90(tmp_path: Path) -> Non
     sizes = json.loads(result.stdout.strip().splitlines()[-1])
     kernels = {
         "argmax_bf16", "argmax_fp32", "accept", "rejection_q", "one_hot_draw_fp32",
-        "one_hot_draw_bf16", "warp_bf16",
+        "one_hot_draw_bf16", "warp_bf16", "paged_attention_bf16", "paged_attention_bf16_tree",
+        "paged_attention_fp32", "paged_attention_fp32_tree",
     }
     assert set(sizes) == {f"{name}/sm_{arch}" for name in kernels for arch in ARCHITECTURES}
     empty = [name for name, size in sizes.items() if size <= 0]
@@ -118,6 +136,10 @@ probs = ops.warp_probs(
 ops.rejection_sample(probs, None, next_token[:, None].expand(2, 2), torch.tensor([2, 0]),
                      torch.rand(2, 2), torch.rand(2, 3))
 ops.sampled_match(probs, next_token[:, None].expand(2, 2), torch.tensor([2, 0]), torch.rand(2, 3))
+pool = torch.randn(3, 4, 1, 8)  # [num_blocks, block_size, Hkv, D]
+attended = ops.paged_attention(torch.randn(3, 2, 8), pool, pool, torch.tensor([[2, 0], [1, 0]]),
+                               torch.tensor([5, 0]), torch.tensor([0, 2, 3]))
+assert attended.shape == (3, 2, 8)
 kernel_modules = [m for m in sys.modules if m.startswith("target_worker.kernels.")
                   and not m.endswith(("_ref", ".ops"))]
 assert kernel_modules == [], kernel_modules

@@ -7,7 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
-from specdec.config import DTYPES, CoordinatorConfig, ServerConfig, WorkerConfig
+from specdec.config import DTYPES, KV_CACHES, CoordinatorConfig, ServerConfig, WorkerConfig
 from specdec.security.tls import ServerTLS
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -70,6 +70,15 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
                         help="element type of the weights (target, draft model, head); auto: bfloat16 on CUDA, "
                              "float32 elsewhere; logits are float32 whatever it is (default %(default)s) "
                              "[SPECDEC_DTYPE]")
+    parser.add_argument("--kv-cache", choices=KV_CACHES, default=env("SPECDEC_KV_CACHE", "auto"),
+                        help="paged: one block pool for every session, one forward per step, prefix caching; "
+                             "buffered: a cache per session (the CPU fast path); auto: paged on CUDA, buffered "
+                             "elsewhere (default %(default)s) [SPECDEC_KV_CACHE]")
+    parser.add_argument("--kv-memory-fraction", type=float, default=float(env("SPECDEC_KV_MEMORY_FRACTION", 0.9)),
+                        help="on CUDA, the share of the memory left after the weights that the paged pool takes "
+                             "(default %(default)s); on CPU the pool is --max-cache-mb [SPECDEC_KV_MEMORY_FRACTION]")
+    parser.add_argument("--kv-block-size", type=int, default=int(env("SPECDEC_KV_BLOCK_SIZE", 16)),
+                        help="tokens per block of the paged pool (default %(default)s) [SPECDEC_KV_BLOCK_SIZE]")
     parser.add_argument("--min-chain-prob", type=float, default=float(env("SPECDEC_MIN_CHAIN_PROB", 0.15)),
                         help="a feature-level head's chain stops where its own probability of the whole chain "
                              "falls below this; 0: always draft k (default %(default)s) [SPECDEC_MIN_CHAIN_PROB]")
@@ -121,6 +130,9 @@ def add_coordinator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens-limit", type=int, default=4096, help="largest max_new_tokens accepted")
     parser.add_argument("--no-batching", action="store_true",
                         help="one worker call per round instead of batched steps (continuous batching off)")
+    parser.add_argument("--no-worker-streams", action="store_true",
+                        help="send each batched step as a unary call instead of a message on one long-lived "
+                             "stream per worker replica")
     parser.add_argument("--step-token-budget", type=int, default=512,
                         help="tokens (uncached committed + drafts) one batched step carries, about")
     parser.add_argument("--max-batch-rounds", type=int, default=32, help="most requests' rounds in one step")
@@ -179,6 +191,7 @@ def coordinator_config(args, target_addr: str, draft_addr: str | None, tokenizer
         max_concurrent_requests=args.max_concurrent_requests, max_streams_per_client=args.max_streams_per_client,
         max_prompt_tokens=args.max_prompt_tokens, max_new_tokens_limit=args.max_new_tokens_limit,
         rate_limit_per_client=args.rate_limit, batching=not args.no_batching,
+        worker_streams=not args.no_worker_streams,
         step_token_budget=args.step_token_budget, max_batch_rounds=args.max_batch_rounds,
         prefill_chunk_tokens=args.prefill_chunk, http_port=args.http_port or None,
         served_model_name=args.served_model_name,
@@ -199,4 +212,5 @@ def worker_config(args, model: str, port: int | None = None) -> WorkerConfig:
                         max_cache_bytes=args.max_cache_mb << 20, device=args.device, dtype=args.dtype,
                         min_chain_prob=args.min_chain_prob, min_alt_prob=args.min_alt_prob,
                         head=getattr(args, "head", None), session_ttl_s=args.session_ttl,
-                        stall_timeout_s=args.stall_timeout)
+                        stall_timeout_s=args.stall_timeout, kv_cache=args.kv_cache,
+                        kv_memory_fraction=args.kv_memory_fraction, kv_block_size=args.kv_block_size)

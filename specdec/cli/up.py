@@ -109,6 +109,8 @@ async def _spawn_draft(args, cert_dir, ca) -> tuple[asyncio.subprocess.Process, 
                "--max-sessions", str(args.max_sessions), "--max-cache-mb", str(args.max_cache_mb),
                "--min-chain-prob", str(args.min_chain_prob), "--session-ttl", str(args.session_ttl),
                "--stall-timeout", str(args.stall_timeout), "--device", args.device, "--dtype", args.dtype,
+               "--kv-cache", args.kv_cache, "--kv-memory-fraction", str(args.kv_memory_fraction),
+               "--kv-block-size", str(args.kv_block_size),
                "--grace-period", "2", "--log-format", args.log_format or "text"]
     child = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE,
                                                  preexec_fn=parent_death_signal())

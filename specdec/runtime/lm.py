@@ -66,10 +66,22 @@ class CausalLM:
             cache.activate_past_recording()
         return cache
 
-    def prepare(self, synced: SyncedContext) -> list[int]:
+    def bind(self, store) -> None:
+        """Ties the sessions' caches to the worker's SessionStore (a shared pool frees a
+        session's memory when the store drops it); the caches here are the sessions' own."""
+
+    def admit(self, sessions: list[Session], counts: list[int]) -> list[BaseException | None]:
+        """Before a step: per session, None when its `counts[i]` new tokens will fit, else the
+        error its round gets (a shared pool reserves here; the caches here grow as fed)."""
+        return [None] * len(sessions)
+
+    def prepare(self, synced: SyncedContext, reuse_prefix: bool = True) -> list[int]:
         """Rolls the session's cache back to the reusable prefix of the committed context and
         returns the committed tokens still to be fed (never empty: the last committed token
-        is always fed, because its logits are the ones that predict what comes next)."""
+        is always fed, because its logits are the ones that predict what comes next).
+        reuse_prefix: a new session may take cached blocks of its context's prefix instead
+        of feeding them (a shared pool's prefix cache; a caller that needs every position's
+        hidden state says False)."""
         session = synced.session
         keep = min(synced.reusable, len(synced.context) - 1)
         if session.cache is None:

@@ -30,18 +30,26 @@ class ProposeResponse(_message.Message):
     def __init__(self, block: _Optional[_Union[DraftBlock, _Mapping]] = ..., resync: _Optional[_Union[_common_pb2.ResyncRequired, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.RoundError, _Mapping]] = ...) -> None: ...
 
 class ProposeBatchRequest(_message.Message):
-    __slots__ = ("rounds",)
+    __slots__ = ("rounds", "step_id")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
     rounds: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
-    def __init__(self, rounds: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ...) -> None: ...
+    step_id: int
+    def __init__(self, rounds: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ..., step_id: _Optional[int] = ...) -> None: ...
 
 class ProposeBatchResponse(_message.Message):
-    __slots__ = ("results", "step_s")
+    __slots__ = ("results", "step_s", "step_id", "error_code", "error_message")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     STEP_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ProposeResponse]
     step_s: float
-    def __init__(self, results: _Optional[_Iterable[_Union[ProposeResponse, _Mapping]]] = ..., step_s: _Optional[float] = ...) -> None: ...
+    step_id: int
+    error_code: int
+    error_message: str
+    def __init__(self, results: _Optional[_Iterable[_Union[ProposeResponse, _Mapping]]] = ..., step_s: _Optional[float] = ..., step_id: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
     __slots__ = ("tokens", "compute_s")

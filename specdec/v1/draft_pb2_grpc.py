@@ -45,6 +45,11 @@ class DraftWorkerStub:
                 request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchResponse.FromString,
                 _registered_method=True)
+        self.ProposeStream = channel.stream_stream(
+                '/specdec.v1.DraftWorker/ProposeStream',
+                request_serializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.DraftWorker/Release',
                 request_serializer=specdec_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
@@ -76,6 +81,16 @@ class DraftWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProposeStream(self, request_iterator, context):
+        """ProposeBatch over one long-lived stream, with the contract of TargetWorker.VerifyStream:
+        one response per step, echoing its step_id, in any order; a failed step is answered
+        with error_code and error_message and the stream goes on; it ends OK after the client
+        half-closes, and UNAVAILABLE when the worker drains; UNIMPLEMENTED from an older worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Frees the session's draft cache (request finished or cancelled).
         """
@@ -100,6 +115,11 @@ def add_DraftWorkerServicer_to_server(servicer, server):
             ),
             'ProposeBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.ProposeBatch,
+                    request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchResponse.SerializeToString,
+            ),
+            'ProposeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeStream,
                     request_deserializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_draft__pb2.ProposeBatchResponse.SerializeToString,
             ),
@@ -166,6 +186,33 @@ class DraftWorker:
             request,
             target,
             '/specdec.v1.DraftWorker/ProposeBatch',
+            specdec_dot_v1_dot_draft__pb2.ProposeBatchRequest.SerializeToString,
+            specdec_dot_v1_dot_draft__pb2.ProposeBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.DraftWorker/ProposeStream',
             specdec_dot_v1_dot_draft__pb2.ProposeBatchRequest.SerializeToString,
             specdec_dot_v1_dot_draft__pb2.ProposeBatchResponse.FromString,
             options,

@@ -32,20 +32,28 @@ class VerifyResponse(_message.Message):
     def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ..., resync: _Optional[_Union[_common_pb2.ResyncRequired, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.RoundError, _Mapping]] = ...) -> None: ...
 
 class VerifyBatchRequest(_message.Message):
-    __slots__ = ("rounds",)
+    __slots__ = ("rounds", "step_id")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
     rounds: _containers.RepeatedCompositeFieldContainer[VerifyRequest]
-    def __init__(self, rounds: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ...) -> None: ...
+    step_id: int
+    def __init__(self, rounds: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ..., step_id: _Optional[int] = ...) -> None: ...
 
 class VerifyBatchResponse(_message.Message):
-    __slots__ = ("results", "step_s", "rows")
+    __slots__ = ("results", "step_s", "rows", "step_id", "error_code", "error_message")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     STEP_S_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[VerifyResponse]
     step_s: float
     rows: int
-    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResponse, _Mapping]]] = ..., step_s: _Optional[float] = ..., rows: _Optional[int] = ...) -> None: ...
+    step_id: int
+    error_code: int
+    error_message: str
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResponse, _Mapping]]] = ..., step_s: _Optional[float] = ..., rows: _Optional[int] = ..., step_id: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("accepted", "next_token", "cached_len", "compute_s", "feature_start", "features", "next_drafts", "extra_tokens")

@@ -45,6 +45,11 @@ class TargetWorkerStub:
                 request_serializer=specdec_dot_v1_dot_target__pb2.VerifyBatchRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_target__pb2.VerifyBatchResponse.FromString,
                 _registered_method=True)
+        self.VerifyStream = channel.stream_stream(
+                '/specdec.v1.TargetWorker/VerifyStream',
+                request_serializer=specdec_dot_v1_dot_target__pb2.VerifyBatchRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_target__pb2.VerifyBatchResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specdec.v1.TargetWorker/Release',
                 request_serializer=specdec_dot_v1_dot_common__pb2.ReleaseRequest.SerializeToString,
@@ -81,6 +86,21 @@ class TargetWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifyStream(self, request_iterator, context):
+        """VerifyBatch over one long-lived stream (one per coordinator and replica), so a step
+        costs a message each way instead of a call. Each request is one step, run exactly as
+        VerifyBatch would run it, and answered by one response with the same step_id, as soon
+        as it completes: responses may come in any order. A step that fails as a whole (too
+        many rounds, a stalled model thread, ...) is answered with error_code and error_message
+        and the stream goes on. The stream ends OK after the client half-closes and every step
+        read is answered; a draining worker answers the steps it is running, then ends the
+        stream UNAVAILABLE (steps it never answered count as failed UNAVAILABLE). A worker
+        without this rpc answers UNIMPLEMENTED: the coordinator then calls VerifyBatch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Frees the session's target cache (request finished or cancelled).
         """
@@ -105,6 +125,11 @@ def add_TargetWorkerServicer_to_server(servicer, server):
             ),
             'VerifyBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.VerifyBatch,
+                    request_deserializer=specdec_dot_v1_dot_target__pb2.VerifyBatchRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_target__pb2.VerifyBatchResponse.SerializeToString,
+            ),
+            'VerifyStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifyStream,
                     request_deserializer=specdec_dot_v1_dot_target__pb2.VerifyBatchRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_target__pb2.VerifyBatchResponse.SerializeToString,
             ),
@@ -171,6 +196,33 @@ class TargetWorker:
             request,
             target,
             '/specdec.v1.TargetWorker/VerifyBatch',
+            specdec_dot_v1_dot_target__pb2.VerifyBatchRequest.SerializeToString,
+            specdec_dot_v1_dot_target__pb2.VerifyBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifyStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.TargetWorker/VerifyStream',
             specdec_dot_v1_dot_target__pb2.VerifyBatchRequest.SerializeToString,
             specdec_dot_v1_dot_target__pb2.VerifyBatchResponse.FromString,
             options,

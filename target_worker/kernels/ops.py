@@ -3,8 +3,9 @@
 Each op runs its compiled Triton kernel when the tensors live on CUDA and triton is
 installed, and its plain-torch reference otherwise (CPU serving, machines without triton).
 Both paths compute the same function: exactly for token choices, within float32 rounding for
-probabilities (see each ``*_ref`` module). The kernel modules import triton, so they are only
-imported here, lazily, once a CUDA tensor arrives.
+probabilities (see each ``*_ref`` module), within the inputs' dtype rounding for attention
+(whose reference, specdec.runtime.paged_attention, is also the runtime's CPU path). The kernel
+modules import triton, so they are only imported here, lazily, once a CUDA tensor arrives.
 
 Validation of request-level values (num_draft in [0, k], temperature > 0, top_p in (0, 1])
 belongs to the caller, on the host: the CUDA path does not read device values back (that
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.runtime.paged_attention import paged_attention_reference
 from target_worker.kernels.greedy_verify_ref import greedy_verify_ref
 from target_worker.kernels.rejection_sample_ref import rejection_sample_ref
 from target_worker.kernels.warp_ref import warp_probs_ref
@@ -147,3 +149,39 @@ def warp_probs(
     else:
         probs = warp_probs_ref(logits, temperature, top_k, top_p)
     return probs.reshape(shape)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D] new tokens of B sessions, packed
+    k_pool: torch.Tensor,  # [num_blocks, block_size, Hkv, D] one layer's K blocks
+    v_pool: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # int [B, max_blocks]; entries past a session's blocks ignored
+    context_lens: torch.Tensor,  # int [B]: tokens of session i in the pool before its new ones
+    query_starts: torch.Tensor,  # int [B + 1], cumulative, query_starts[B] == T
+    tree_mask: torch.Tensor | None = None,  # bool [B, Qmax, Qmax] or None (causal chain)
+    scale: float | None = None,  # default 1 / sqrt(D)
+) -> torch.Tensor:
+    """Attention of each session's new tokens over its paged KV cache: [T, Hq, D], q's dtype.
+
+    The new tokens' keys and values are already in the pool; token j of session i sees its
+    context and, of the new tokens, those up to j (or those tree_mask[i, j] marks). The whole
+    contract is specdec.runtime.paged_attention's. On CUDA the host reads no index value.
+    """
+    device = q.device
+    block_tables, context_lens, query_starts = (
+        index.to(device=device, dtype=torch.int32).contiguous()
+        for index in (block_tables, context_lens, query_starts)
+    )
+    q, k_pool, v_pool = q.contiguous(), k_pool.contiguous(), v_pool.contiguous()
+    if tree_mask is not None:
+        tree_mask = tree_mask.to(device=device, dtype=torch.bool).contiguous()
+    if _use_triton(q):
+        # Lazy: the kernel module imports triton, which CPU-only workers need not have.
+        from target_worker.kernels.paged_attention import paged_attention_triton
+
+        return paged_attention_triton(
+            q, k_pool, v_pool, block_tables, context_lens, query_starts, tree_mask, scale
+        )
+    return paged_attention_reference(
+        q, k_pool, v_pool, block_tables, context_lens, query_starts, tree_mask, scale
+    )

@@ -1,0 +1,160 @@
+"""The workers over the paged KV pool (--kv-cache paged), through real services on loopback:
+token-identical to the target alone with a draft model, an n-gram drafter and a head on the
+target (tree blocks); prefix hits; a pool too small for the load evicts and stays exact; the
+cache bytes are the pool's blocks in use. (SPECDEC_KV_CACHE=paged runs every other service
+suite over the pool too.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specdec.client import Client, make_request
+from specdec.runtime.load import serving_lm
+from specdec.runtime.paged import PoolExhausted
+from specdec.runtime.paged_lm import PagedCausalLM
+from specdec.sessions import Resync, SessionStore
+from specdec.train.teacher import chat_ids
+from tests.factories import make_tiny_model
+from tests.harness import reference_greedy, run, running_stack
+from target_worker.verify import Round, Verdict, Verifier
+from tests.test_eagle_services import ALWAYS, make_head, target, tokenizer  # noqa: F401
+
+PAGED = {"kv_cache": "paged"}
+MAX_NEW = 20
+PROMPTS = ["Explain how tides work.", "Write a haiku about rain.", "def add(a, b):", "List three colours."]
+
+
+@pytest.fixture(scope="module")
+def draft(tokenizer):
+    return make_tiny_model(tokenizer, seed=1, layers=1, hidden=32)
+
+
+def expected(target, tokenizer, prompt: str, max_new: int = MAX_NEW) -> list[int]:
+    return reference_greedy(target, chat_ids(tokenizer, prompt), max_new)
+
+
+async def complete_all(address: str, prompts: list[str], max_new: int = MAX_NEW, **request) -> list:
+    async with Client(address) as client:
+        return await asyncio.gather(*(client.complete(make_request(p, max_new_tokens=max_new, **request))
+                                      for p in prompts))
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_paged_workers_are_token_identical(target, tokenizer, draft, drafter):
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=draft if drafter == "model" else "ngram",
+                                 target_options=PAGED, draft_options=PAGED) as stack:
+            assert isinstance(stack.target_servicer.verifier.lm, PagedCausalLM)
+            return await complete_all(stack.address, PROMPTS, k=4)
+
+    for prompt, result in zip(PROMPTS, run(scenario())):
+        assert list(result.token_ids) == expected(target, tokenizer, prompt), prompt
+
+
+def test_a_head_on_a_paged_target_verifies_trees_token_identical(target, tokenizer):
+    async def scenario():
+        async with running_stack(target, tokenizer, target_head=make_head(target),
+                                 target_options={**ALWAYS, **PAGED}) as stack:
+            verifier = stack.target_servicer.verifier
+            assert isinstance(verifier.lm, PagedCausalLM) and verifier.lm.runs_trees
+            return await complete_all(stack.address, PROMPTS, k=4)
+
+    results = run(scenario())
+    for prompt, result in zip(PROMPTS, results):
+        assert list(result.token_ids) == expected(target, tokenizer, prompt), prompt
+    assert sum(r.stats["proposed"] for r in results) > 0
+
+
+@pytest.mark.parametrize("chunk", [256, 32], ids=["whole-prompt", "chunked-prefill"])
+def test_a_shared_prefix_is_not_fed_again(target, tokenizer, chunk):
+    system = "You are a careful assistant who answers briefly and precisely. " * 2  # ~120 tokens
+    prompts = [system + "Explain how tides work.", system + "Write a haiku about rain."]
+
+    async def scenario():
+        async with running_stack(target, tokenizer, target_options=PAGED, prefill_chunk_tokens=chunk) as stack:
+            lm = stack.target_servicer.verifier.lm
+            first = (await complete_all(stack.address, prompts[:1], speculate=False))[0]
+            hits_before = lm.prefix_hit_tokens
+            second = (await complete_all(stack.address, prompts[1:], speculate=False))[0]
+            return first, second, hits_before, lm.prefix_hit_tokens, lm.cache.block_size
+
+    first, second, before, after, block = run(scenario())
+    assert list(first.token_ids) == expected(target, tokenizer, prompts[0])
+    assert list(second.token_ids) == expected(target, tokenizer, prompts[1])
+    a, b = (chat_ids(tokenizer, p) for p in prompts)
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    # Every full shared block is reused; at most one token per prefill piece is fed again.
+    pieces = -(-shared // chunk)
+    assert after - before >= (shared // block) * block - pieces > 0
+
+
+def test_a_pool_too_small_for_the_load_stays_exact(target, tokenizer, caplog):
+    # Room for about two sessions' contexts: eight concurrent requests must take turns (a
+    # round that does not fit is refused alone, and its request retries it).
+    options = {**PAGED, "max_cache_bytes": 24 * target_block_bytes(target)}
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft="ngram", target_options=options) as stack:
+            return await complete_all(stack.address, PROMPTS * 2, k=2)
+
+    results = run(scenario())
+    for prompt, result in zip(PROMPTS * 2, results):
+        assert list(result.token_ids) == expected(target, tokenizer, prompt), prompt
+    assert "KV pool exhausted" in caplog.text
+
+
+def test_idle_sessions_give_their_blocks_to_a_step_that_needs_them(target, tokenizer):
+    lm = serving_lm(target, True, "paged", max_cache_bytes=8 * target_block_bytes(target))  # 7 usable
+    store = SessionStore(64, 1 << 30, lm.bytes_per_token)
+    lm.bind(store)
+    verifier = Verifier(lm, store, 8)
+    ids = [chat_ids(tokenizer, p) for p in PROMPTS]
+    first = verifier.verify_batch([Round("a", 0, ids[0], []), Round("b", 0, ids[1], [])]).results
+    assert all(isinstance(r, Verdict) for r in first) and store.evictions == 0
+    # c needs more blocks than are free: a and b, idle, are evicted for it, oldest first.
+    third = verifier.verify_batch([Round("c", 0, ids[2] + ids[3], [])]).results[0]
+    assert isinstance(third, Verdict) and store.evictions >= 1 and "a" not in store
+    assert store.cache_bytes() == lm.cache.blocks.in_use * lm.pool.block_bytes
+    # a's next round finds its session gone and asks for the whole context again.
+    again = verifier.verify_batch([Round("a", len(ids[0]), [first[0].next_token], [])]).results[0]
+    assert isinstance(again, Resync) and again.cached_len == 0
+    # A round bigger than the whole pool fails alone, RESOURCE_EXHAUSTED, and the pool is intact.
+    huge = [token for prompt_ids in ids for token in prompt_ids] * 2
+    assert len(huge) >= 200
+    both = verifier.verify_batch([Round("d", 0, huge[:200], []), Round("e", 0, ids[1], [])]).results
+    assert isinstance(both[0], PoolExhausted) and isinstance(both[1], Verdict)
+    assert both[1].next_token == expected_next(target, ids[1])
+
+
+def expected_next(model, ids: list[int]) -> int:
+    return reference_greedy(model, ids, 1)[0]
+
+
+def test_cache_bytes_are_the_pools_blocks_in_use(target, tokenizer):
+    async def scenario():
+        async with running_stack(target, tokenizer, target_options=PAGED) as stack:
+            verifier = stack.target_servicer.verifier
+            async with Client(stack.address) as client:
+                stream = client.generate(make_request(PROMPTS[0], max_new_tokens=64))
+                async for _ in stream:  # one message in: the session holds its blocks
+                    held = verifier.store.cache_bytes()
+                    in_use = verifier.lm.cache.blocks.in_use * verifier.lm.pool.block_bytes
+                    break
+                await stream.aclose()
+            for _ in range(100):  # the release reaches the worker in the background
+                if verifier.store.cache_bytes() == 0:
+                    break
+                await asyncio.sleep(0.05)
+            return held, in_use, verifier.store.cache_bytes()
+
+    held, in_use, after = run(scenario())
+    assert held == in_use > 0
+    assert after == 0
+
+
+def target_block_bytes(model) -> int:
+    from specdec.runtime.paged import DEFAULT_BLOCK_SIZE, KVShape, block_bytes
+
+    return block_bytes(KVShape.of(model.config), DEFAULT_BLOCK_SIZE, next(model.parameters()).dtype)
