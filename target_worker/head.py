@@ -13,14 +13,19 @@ EAGLE heads are served in one-process systems (vLLM and SGLang run the head in t
 worker). Output is unaffected: the target verifies every
 draft token exactly as it verifies a draft worker's.
 
-Per target session the head keeps its own session (its cache and the ids fed to it) and the
-features of committed positions it has not yet been fed: rounds that ask for no draft
-(a paused request, `--no-speculation`) only record them, and the next drafting round feeds
-them all. The state lives on the target's session, so eviction drops both together, its
-bytes count toward the session's under the worker's cache budget (`held_bytes`), and a
-session rebuilt from position 0 rebuilds the head's. Should the features ever have a gap
-(a session continued without its earlier positions), the head state is dropped and that
-session gets no drafts until it is rebuilt from 0: drafts only ever cost speed.
+Per target session the head keeps its own session (its KV cache — blocks of the head's
+paged pool beside a paged target — and the ids fed to it) and the features of committed positions it has not yet been fed: rounds
+that ask for no draft (a paused request, `--no-speculation`) only record them, and the next
+drafting round feeds them all. The state lives on the target's session, so eviction drops
+both together (`forget` gives the head's cache back), its bytes count toward the session's
+under the worker's cache budget (`held_bytes`), and a session rebuilt from position 0
+rebuilds the head's. Should the features ever have a gap (a session continued without its
+earlier positions), the head state is dropped and that session gets no drafts until it is
+rebuilt from 0: drafts only ever cost speed.
+
+A step drafts for all its sessions at once (`draft_batch`, specdec.eagle.batched): one head
+forward takes in every session's new committed positions, then one forward per draft depth
+runs the sessions still drafting, with one host read per depth.
 
 With each draft the head hands out it keeps its alternatives (second choices at some depths,
 specdec.eagle.policy); the next round's verification scores them as tree leaves when
@@ -35,9 +40,10 @@ from dataclasses import dataclass
 import torch
 
 from specdec import eagle
+from specdec.eagle.batched import BatchedDrafter, HeadStorage
 from specdec.eagle.policy import MIN_ALT_PROB, MIN_CHAIN_PROB, EagleDrafter, Features
 from specdec.errors import InvalidArgument
-from specdec.runtime.memory import cache_held_bytes, storage_bytes
+from specdec.runtime.memory import storage_bytes
 from specdec.sessions import Resync, Session, SyncedContext, common_prefix_len
 
 log = logging.getLogger(__name__)
@@ -45,7 +51,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class HeadState:
-    session: Session  # the head's own cache and fed ids
+    session: Session  # the head's own: its PagedSession, fed ids, positions fed true features
     start: int  # position of rows[0]
     rows: torch.Tensor  # [n, F] float16 features of committed positions start … not yet fed (F: feature_size)
     # The last draft handed out and its alternatives, (depth, token): what the next round's
@@ -63,6 +69,12 @@ class InlineHead:
         self.aux_layers = tuple(drafter.head.config.aux_layers)  # target layers it also reads
         self.feature_size = drafter.feature_size  # what record() takes per position
         self.bytes_per_token = drafter.bytes_per_token + 2 * drafter.feature_size
+        self.batched: BatchedDrafter | None = None  # once `serve` gave the head its storage
+
+    def serve(self, storage: HeadStorage) -> None:
+        """Where the sessions' head caches live (specdec.eagle.batched): a paged pool beside a
+        paged target, buffered caches beside a buffered one."""
+        self.batched = BatchedDrafter(self.drafter, storage)
 
     def record(self, session: Session, start: int, rows: torch.Tensor) -> None:
         """The target computed these features (float16 [n, feature_size]) of committed positions
@@ -76,41 +88,68 @@ class InlineHead:
             return
         end = state.start + len(state.rows)
         if start > end:  # a gap: the head cannot be fed past it
-            session.head = None
+            self.forget(session)
             return
         if start < state.start:
             state.start, state.rows = start, rows
             return
         state.rows = torch.cat([state.rows[:start - state.start], rows])
 
-    @staticmethod
-    def held_bytes(session: Session) -> int:
-        """The bytes the head's state for `session` keeps allocated: its KV cache and the
-        storage behind the features it has not yet been fed (specdec.runtime.memory)."""
+    def forget(self, session: Session) -> None:
+        """Drops the head's state for `session`, its blocks given back to the pool."""
+        state = session.head
+        if state is not None and self.batched is not None:
+            self.batched.forget(state.session)
+        session.head = None
+
+    def held_bytes(self, session: Session) -> int:
+        """The bytes the head's state for `session` keeps allocated: its blocks in the head's
+        pool and the storage behind the features it has not yet been fed
+        (specdec.runtime.memory)."""
         state = session.head
         if state is None:
             return 0
-        return cache_held_bytes(state.session.cache) + storage_bytes((state.rows,))
+        cache = state.session.cache
+        kv = self.batched.storage.held_bytes(cache) if cache is not None and self.batched is not None else 0
+        return kv + storage_bytes((state.rows,))
 
     def draft(self, session: Session, context: list[int], k: int) -> list[int]:
         """Up to k draft tokens continuing `context` (the committed sequence, its last token
         the target's own choice of this round)."""
-        state = session.head
-        if state is None or k <= 0:
-            return []
-        reusable = common_prefix_len(state.session.ids, context)
-        features = Features.from_rows(state.start, state.rows)
-        result = self.drafter.propose_tree(SyncedContext(state.session, context, reusable), k, features)
-        if isinstance(result, Resync):
-            session.head = None
-            return []
-        result, alternatives = result
-        state.drafted, state.alternatives = tuple(result), tuple(alternatives)
-        # The head now holds every position before the last; next time it needs features
-        # from len(context) - 1 on at the earliest.
-        drop = max(0, len(context) - 1 - state.start)
-        state.rows, state.start = state.rows[drop:], state.start + drop
-        return result
+        return self.draft_batch([session], [context], [k])[0]
+
+    def draft_batch(self, sessions: list[Session], contexts: list[list[int]], ks: list[int]) -> list[list[int]]:
+        """Per session, up to k draft tokens continuing its context, all sessions drafted
+        together (specdec.eagle.paged)."""
+        if self.batched is None:
+            raise RuntimeError("the head has no storage: call serve() first")
+        drafts: list[list[int]] = [[] for _ in sessions]
+        asked = [i for i, (session, k) in enumerate(zip(sessions, ks)) if session.head is not None and k > 0]
+        synced, features = [], []
+        for i in asked:
+            state = sessions[i].head
+            synced.append(SyncedContext(state.session, contexts[i], common_prefix_len(state.session.ids, contexts[i])))
+            features.append(Features.from_rows(state.start, state.rows))
+        results = self.propose(synced, [ks[i] for i in asked], features)
+        for i, result in zip(asked, results):
+            session, context = sessions[i], contexts[i]
+            if isinstance(result, Resync):
+                self.forget(session)
+                continue
+            state = session.head
+            chain, alternatives = result
+            state.drafted, state.alternatives = tuple(chain), tuple(alternatives)
+            # The head now holds every position before the last; next time it needs features
+            # from len(context) - 1 on at the earliest.
+            drop = max(0, len(context) - 1 - state.start)
+            state.rows, state.start = state.rows[drop:], state.start + drop
+            drafts[i] = list(chain)
+        return drafts
+
+    def propose(self, synced: list[SyncedContext], ks: list[int],
+                features: list[Features]) -> list[tuple[list[int], list[tuple[int, int]]] | Resync]:
+        """The batched drafter's chains and alternatives (a seam tests wrap)."""
+        return self.batched.propose_tree(synced, ks, features)
 
     @staticmethod
     def alternatives(session: Session, drafts: list[int]) -> list[tuple[int, int]]:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from specdec.errors import InvalidArgument, SpecdecError
+from specdec.eagle.batched import BufferedHead
+from specdec.eagle.paged import PagedHead, head_pool_blocks
 from specdec.philox import round_uniforms
 from specdec.runtime.lm import CausalLM
 from specdec.sampling import GREEDY, Sampling
@@ -116,13 +118,24 @@ class _Block:
 
 @dataclass(frozen=True)
 class _Score:
-    """One round's share of the forward pass: the target's decision on its chain, its
-    alternatives' logits and (when needed) the hidden states of what it fed."""
+    """One round's share of the forward pass: the target's decision on its chain, its token
+    after each alternative, and (when needed) the hidden states of what it fed."""
 
     accepted: int
     next_token: int
-    leaf_logits: torch.Tensor  # [len(alternatives), V]
+    after_leaves: tuple[int, ...]  # per alternative: the target's token after it
     states: torch.Tensor | None  # [len(fed), F]
+
+
+@dataclass(frozen=True)
+class _Decision:
+    """One row of the step's decision: a chain of drafts (none for a plain step or for an
+    alternative's leaf, whose next token is decided alone) over logit rows `rows`."""
+
+    rows: list[int]  # in the step's concatenated logits: the chain's len(drafts) + 1 rows
+    drafts: list[int]
+    first_position: int  # absolute position of the first output token (the sampling key)
+    sampling: Sampling
 
 
 class Verifier:
@@ -133,6 +146,31 @@ class Verifier:
         self.max_draft_tokens = max_draft_tokens
         self.vocab_size = int(lm.model.get_output_embeddings().weight.shape[0])
         self.max_context = int(getattr(lm.config, "max_position_embeddings", 0) or 1 << 30)
+        if head is not None:
+            self._serve_head(head)
+
+    def _serve_head(self, head) -> None:
+        """Gives the head its storage, like the target's: beside a paged target a paged pool
+        sized for what the target's pool holds, else buffered caches; and has the store give
+        a session's head cache back whenever the session leaves."""
+        lm, store = self.lm, self.store
+        if head.batched is None:
+            pool = getattr(lm, "pool", None)  # the target's paged pool, when it has one
+            if pool is not None:
+                blocks = head_pool_blocks(pool.num_blocks * pool.block_size, store.max_sessions,
+                                          self.max_draft_tokens, pool.block_size)
+                head.serve(PagedHead(head.drafter.head, blocks, pool.block_size, lm.runner.attention,
+                                     lm.buffers.limits.max_batch))
+            else:
+                head.serve(BufferedHead(head.drafter.head))
+        dropped = store.on_drop
+
+        def on_drop(session: Session) -> None:
+            if dropped is not None:
+                dropped(session)
+            head.forget(session)
+
+        store.on_drop = on_drop
 
     def _check_ids(self, name: str, ids: list[int]) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -164,8 +202,10 @@ class Verifier:
             for block in blocks:
                 results[block.index] = exc
             blocks, scores = [], []
-        for block, score in zip(blocks, scores):
-            results[block.index] = self._conclude(block, score)
+        concluded = [self._conclude(block, score) for block, score in zip(blocks, scores)]
+        next_drafts = self._head_drafts(blocks, concluded)
+        for block, verdict, drafts in zip(blocks, concluded, next_drafts):
+            results[block.index] = dataclasses.replace(verdict, next_drafts=drafts) if drafts else verdict
         # What each session holds after its step (fed, rolled back, or forgotten on a
         # failure), before the budget is enforced on the store's total.
         for session in fed:
@@ -213,16 +253,13 @@ class Verifier:
         return [block for block, error in zip(blocks, refused) if error is None]
 
     def _score(self, blocks: list[_Block]) -> list[_Score]:
-        """ONE forward pass over every block, then each round's (accepted, next token)."""
+        """ONE forward pass over every block, then each round's decision (one host read)."""
         if not blocks:
             return []
         logits, states = self._forward(blocks)
-        # The chain's rows first; the alternatives' after them.
-        decisions = self._decide_batch([logits_i[:block.chain_rows] for block, logits_i in zip(blocks, logits)],
-                                       [block.round for block in blocks],
-                                       [block.context_len for block in blocks])
-        return [_Score(accepted, next_token, logits_i[block.chain_rows:], states_i)
-                for block, (accepted, next_token), logits_i, states_i in zip(blocks, decisions, logits, states)]
+        decisions = self._decide_step(blocks, logits)
+        return [_Score(accepted, next_token, after, states_i)
+                for (accepted, next_token, after), states_i in zip(decisions, states)]
 
     def _forward(self, blocks: list[_Block]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """Per block the logits of its last committed token, drafts and alternatives, and the
@@ -244,16 +281,17 @@ class Verifier:
         # Leaves sit after the chain in the cache: this crop drops them too.
         self.lm.crop(block.session, cached_len)
         leaf, extra = self._chosen_alternative(block, score)
-        feature_start, feature_bytes, next_drafts = 0, b"", ()
+        feature_start, feature_bytes = 0, b""
         if score.states is not None:
             feature_start, states = self._committed_states(block, score.states, accepted, leaf, len(extra))
-            next_drafts = self._head_round(block, feature_start, states, accepted, next_token, extra)
+            if self.head is not None:
+                self.head.record(block.session, feature_start, states)
             if block.round.features:
                 # On the wire: the final hidden states only (what WorkerInfo.feature_size says).
                 feature_bytes = states[:, :self.lm.feature_size].cpu().contiguous().numpy().tobytes()
             else:
                 feature_start = 0
-        return Verdict(accepted, next_token, cached_len, 0.0, feature_start, feature_bytes, next_drafts, extra)
+        return Verdict(accepted, next_token, cached_len, 0.0, feature_start, feature_bytes, (), extra)
 
     def _chosen_alternative(self, block: _Block, score: _Score) -> tuple[int | None, tuple[int, ...]]:
         """(leaf, extra): where the chain is cut at depth `accepted` and the alternative there is
@@ -263,9 +301,7 @@ class Verifier:
                      if depth == score.accepted < len(block.round.drafts) and token == score.next_token), None)
         if leaf is None:
             return None, ()
-        after = self._decide(score.leaf_logits[leaf:leaf + 1], [], block.context_len + score.accepted + 1,
-                             block.round.sampling)[1]
-        return leaf, (after,)
+        return leaf, (score.after_leaves[leaf],)
 
     @staticmethod
     def _committed_states(block: _Block, states: torch.Tensor, accepted: int, leaf: int | None,
@@ -280,17 +316,23 @@ class Verifier:
         states = states[:fed_committed + accepted + extra].to(torch.float16, copy=True).contiguous()
         return block.context_len - fed_committed, states
 
-    def _head_round(self, block: _Block, feature_start: int, states: torch.Tensor, accepted: int, next_token: int,
-                    extra: tuple[int, ...]) -> tuple[int, ...]:
-        """With a head on this worker: it takes the committed positions' states and, when
-        asked, drafts the next round's block after this round's committed tokens."""
+    def _head_drafts(self, blocks: list[_Block], verdicts: list[Verdict]) -> list[tuple[int, ...]]:
+        """With a head on this worker: the next round's draft of every round that asked for
+        one, all drafted together after this round's committed tokens."""
         if self.head is None:
-            return ()
-        self.head.record(block.session, feature_start, states)
-        if not block.round.draft_next:
-            return ()
-        context = block.synced.context + block.round.drafts[:accepted] + [next_token] + list(extra)
-        return tuple(self.head.draft(block.session, context, block.round.draft_next))
+            return [()] * len(blocks)
+        asked = [i for i, block in enumerate(blocks) if block.round.draft_next]
+        contexts = []
+        for i in asked:
+            block, verdict = blocks[i], verdicts[i]
+            contexts.append(block.synced.context + block.round.drafts[:verdict.accepted] + [verdict.next_token]
+                            + list(verdict.extra))
+        drafts = self.head.draft_batch([blocks[i].session for i in asked], contexts,
+                                       [blocks[i].round.draft_next for i in asked])
+        out: list[tuple[int, ...]] = [()] * len(blocks)
+        for i, draft in zip(asked, drafts):
+            out[i] = tuple(draft)
+        return out
 
     def _alternatives(self, rnd: Round, session) -> list[tuple[int, int]]:
         """The head's alternatives (depth, token) to score with this round's drafts: rounds
@@ -312,64 +354,71 @@ class Verifier:
                 f"{self.max_context}"
             )
 
-    def _decide_batch(self, logits: list[torch.Tensor], rounds: list[Round],
-                      first_positions: list[int]) -> list[tuple[int, int]]:
-        """(accepted, next token) per round: the greedy rounds in one greedy_verify call and
-        the sampled ones in one warp + sampled_match call, each over a ragged batch padded
-        to its longest block (the kernels read num_draft and never look past it)."""
-        out: list[tuple[int, int] | None] = [None] * len(rounds)
-        greedy = [i for i, r in enumerate(rounds) if r.sampling.greedy]
-        sampled = [i for i, r in enumerate(rounds) if not r.sampling.greedy]
-        for group in (greedy, sampled):
-            if not group:
-                continue
-            if len(group) == 1:  # the common single-session case, without padding
-                i = group[0]
-                out[i] = self._decide(logits[i], rounds[i].drafts, first_positions[i], rounds[i].sampling)
-                continue
-            width = max(len(rounds[i].drafts) for i in group)
-            vocab = logits[group[0]].shape[-1]
-            device = logits[group[0]].device
-            padded = logits[group[0]].new_zeros((len(group), width + 1, vocab))  # [B, K + 1, V]
-            draft = torch.zeros((len(group), max(width, 1)), dtype=torch.long, device=device)  # [B, K]
-            num_draft = torch.tensor([len(rounds[i].drafts) for i in group], dtype=torch.long, device=device)  # [B]
-            for row, i in enumerate(group):
-                n = len(rounds[i].drafts)
-                padded[row, :n + 1] = logits[i]
-                if n:
-                    draft[row, :n] = torch.tensor(rounds[i].drafts, dtype=torch.long, device=device)
-            draft = draft[:, :width] if width else draft[:, :0]
-            if group is greedy:
-                accepted, next_token = ops.greedy_verify(padded, draft, num_draft)
-            else:
-                params = [rounds[i].sampling for i in group]
-                probs = ops.warp_probs(padded, torch.tensor([p.temperature for p in params]),
-                                       torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]))
-                _, u_sample = round_uniforms(torch.tensor([p.seed for p in params]),
-                                             torch.tensor([first_positions[i] for i in group]), width)
-                accepted, next_token = ops.sampled_match(probs, draft, num_draft, u_sample)
-            for row, i in enumerate(group):
-                out[i] = (int(accepted[row]), int(next_token[row]))
+    def _decide_step(self, blocks: list[_Block], logits: list[torch.Tensor]) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(accepted, next token, the token after each alternative) per block, in ONE host
+        read for the whole step. Each alternative's leaf is decided as a round of its own
+        with no drafts: the target's token at the position after it, keyed (when sampled) by
+        that position — the one it is committed at when the chain is cut at its depth."""
+        rows: list[_Decision] = []
+        offset = 0
+        for block, logits_i in zip(blocks, logits):
+            chain = block.chain_rows
+            rows.append(_Decision(list(range(offset, offset + chain)), block.round.drafts, block.context_len,
+                                  block.round.sampling))
+            rows.extend(_Decision([offset + chain + j], [], block.context_len + depth + 1, block.round.sampling)
+                        for j, (depth, _) in enumerate(block.alternatives))
+            offset += logits_i.shape[0]
+        accepted, next_token = self._decide_rows(logits, rows)
+        out, row = [], 0
+        for block in blocks:
+            leaves = len(block.alternatives)
+            out.append((accepted[row], next_token[row], tuple(next_token[row + 1:row + 1 + leaves])))
+            row += 1 + leaves
         return out
 
     @staticmethod
-    def _decide(logits: torch.Tensor, drafts: list[int], first_position: int, sampling: Sampling) -> tuple[int, int]:
-        """(accepted, next token) for one session: greedy, or sampled with uniforms keyed by
-        (seed, absolute position) — first_position is the committed length, the position of
-        the round's first output token."""
-        k = len(drafts)
-        device = logits.device
-        if sampling.greedy and k == 0:  # a plain decoding step
-            return 0, int(torch.argmax(logits[0]))
-        draft = torch.tensor([drafts], dtype=torch.long, device=device).reshape(1, k)  # [1, k]
-        num_draft = torch.tensor([k], dtype=torch.long, device=device)  # [1]
-        if sampling.greedy:
-            accepted, next_token = ops.greedy_verify(logits[None], draft, num_draft)
-        else:
-            probs = ops.warp_probs(
-                logits[None],  # [1, k + 1, V]
-                torch.tensor([sampling.temperature]), torch.tensor([sampling.top_k]), torch.tensor([sampling.top_p]),
-            )
-            _, u_sample = round_uniforms(torch.tensor([sampling.seed]), torch.tensor([first_position]), k)
-            accepted, next_token = ops.sampled_match(probs, draft, num_draft, u_sample)
-        return int(accepted[0]), int(next_token[0])
+    def _decide_rows(logits: list[torch.Tensor], rows: list[_Decision]) -> tuple[list[int], list[int]]:
+        """(accepted, next token) per decision row: the greedy rows in one greedy_verify call
+        and the sampled ones in one warp + sampled_match call, each over a ragged batch padded
+        to its longest chain (the kernels read num_draft and never look past it; pad rows
+        repeat a row of the chain), then one host read of all results."""
+        groups = [[i for i, r in enumerate(rows) if r.sampling.greedy],
+                  [i for i, r in enumerate(rows) if not r.sampling.greedy]]
+        device = logits[0].device
+        every = logits[0] if len(logits) == 1 else None  # the step's rows, concatenated when needed
+        results: list[torch.Tensor] = []
+        for group in groups:
+            if not group:
+                continue
+            width = max(len(rows[i].drafts) for i in group)
+            if len(group) == 1 and len(logits) == 1 and rows[group[0]].rows == list(range(width + 1)):
+                chains = logits[0][None, :width + 1]  # [1, K + 1, V]: the one chain, no copy
+            else:
+                if every is None:
+                    every = torch.cat(logits)  # [R, V]
+                index = [rows[i].rows + [rows[i].rows[0]] * (width + 1 - len(rows[i].rows)) for i in group]
+                chains = every[torch.tensor(index, dtype=torch.long, device=device)]  # [N, K + 1, V]
+            draft = torch.tensor([rows[i].drafts + [0] * (width - len(rows[i].drafts)) for i in group],
+                                 dtype=torch.long, device=device).reshape(len(group), width)  # [N, K]
+            num_draft = torch.tensor([len(rows[i].drafts) for i in group], dtype=torch.long, device=device)  # [N]
+            if group is groups[0]:
+                accepted, next_token = ops.greedy_verify(chains, draft, num_draft)
+            else:
+                params = [rows[i].sampling for i in group]
+                probs = ops.warp_probs(chains, torch.tensor([p.temperature for p in params]),
+                                       torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]))
+                _, u_sample = round_uniforms(torch.tensor([p.seed for p in params]),
+                                             torch.tensor([rows[i].first_position for i in group]), width)
+                accepted, next_token = ops.sampled_match(probs, draft, num_draft, u_sample)
+            results += [accepted, next_token]
+        values = torch.cat(results).tolist()  # the step's one host read
+        accepted_out, next_out = [0] * len(rows), [0] * len(rows)
+        at = 0
+        for group in groups:
+            if not group:
+                continue
+            n = len(group)
+            for j, i in enumerate(group):
+                accepted_out[i], next_out[i] = values[at + j], values[at + n + j]
+            at += 2 * n
+        return accepted_out, next_out

@@ -15,6 +15,7 @@ from draft_worker.drafters.ngram import ID_BYTES, NgramDrafter
 from specdec.client import Client, make_request
 from specdec.runtime.cpu import KV_BLOCK_TOKENS, BufferedLayer
 from specdec.runtime.load import serving_lm
+from specdec.runtime.paged import PagedSession
 from specdec.sessions import Session, SessionStore
 from target_worker.head import load_inline_head
 from target_worker.verify import Round, Verifier
@@ -66,14 +67,29 @@ def storage_of(*objects) -> int:
     return sum(storages.values())
 
 
-def truth(session: Session) -> int:
-    """What `session` holds: its KV cache, and a head's cache and pending features."""
+def head_truth(session: Session, inline=None) -> int:
+    """What a head's state holds: its buffered cache's storage or its blocks of the head's
+    pool (counted from the block table and the pool's own tensors), and the storage of its
+    pending features."""
     head = session.head
-    return storage_of(session.cache) + (storage_of(head.session.cache, head.rows) if head is not None else 0)
+    if head is None:
+        return 0
+    cache, kv = head.session.cache, 0
+    if isinstance(cache, PagedSession):
+        keys = inline.batched.storage.pool.keys  # [1, num_blocks, block_size, kv_heads, d]
+        kv = len(cache.block_table) * 2 * keys[0, 0].numel() * keys.element_size()
+    elif cache is not None:
+        kv = storage_of(cache)  # a buffered head cache's tensors
+    return kv + storage_of(head.rows)
 
 
-def store_truth(store: SessionStore, session_ids) -> int:
-    return sum(truth(store.get(s)) for s in session_ids if store.get(s) is not None)
+def truth(session: Session, inline=None) -> int:
+    """What `session` holds: its KV cache, and a head's blocks and pending features."""
+    return storage_of(session.cache) + head_truth(session, inline)
+
+
+def store_truth(store: SessionStore, session_ids, inline=None) -> int:
+    return sum(truth(store.get(s), inline) for s in session_ids if store.get(s) is not None)
 
 
 def verifier_for(model, fast: bool = True, head=None, max_sessions: int = 8, budget: int = 1 << 30,
@@ -205,13 +221,13 @@ def test_a_head_on_the_target_worker_is_counted(target):
     first = verifier.verify("s", 0, PROMPT, [], draft_next=4)
     session = store.get("s")
     assert session.head is not None and len(first.next_drafts) == 4
-    head_bytes = storage_of(session.head.session.cache, session.head.rows)
-    assert head_bytes > 0
-    assert store.cache_bytes() == storage_of(session.cache) + head_bytes == truth(session)
+    head_bytes = head_truth(session, inline)
+    assert head_bytes > storage_of(session.head.rows) > 0
+    assert store.cache_bytes() == storage_of(session.cache) + head_bytes == truth(session, inline)
     assert store.cache_bytes() == verifier.lm.held_bytes(session) + inline.held_bytes(session)
     second = verifier.verify("s", len(PROMPT), [first.next_token], list(first.next_drafts), draft_next=4)
     assert second.cached_len > len(PROMPT)
-    assert store.cache_bytes() == truth(session)
+    assert store.cache_bytes() == truth(session, inline)
     store.release("s")
     assert store.cache_bytes() == 0
 
@@ -228,7 +244,7 @@ def test_a_float16_targets_head_keeps_only_its_own_features(tokenizer):
     for name, ids in prompts.items():
         rows = verifier.store.get(name).head.rows
         assert storage_of(rows) <= len(ids) * inline.feature_size * 2, name
-    assert verifier.store.cache_bytes() == store_truth(verifier.store, prompts)
+    assert verifier.store.cache_bytes() == store_truth(verifier.store, prompts, inline)
 
 
 def test_an_ngram_session_holds_its_ids():

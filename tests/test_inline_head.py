@@ -26,16 +26,27 @@ MAX_NEW = 24
 PROMPTS = ["Explain how tides work.", "Write a haiku about rain.", "def add(a, b):"]
 
 
+def per_session(head: InlineHead, hook) -> None:
+    """Wraps the head's batched drafting: hook(synced, k, features, result) sees each
+    session's part of every batch and returns what that session gets instead."""
+    original = head.propose
+
+    def propose(synced, ks, features):
+        results = original(synced, ks, features)
+        return [hook(s, k, f, r) for s, k, f, r in zip(synced, ks, features, results)]
+
+    head.propose = propose
+
+
 def recording(head: InlineHead):
     """Records (context, features) of every draft the head makes on the target worker."""
     seen = []
-    original = head.drafter.propose_tree
 
-    def propose_tree(synced, k, features=None):
+    def record(synced, k, features, result):
         seen.append((list(synced.context), features))
-        return original(synced, k, features)
+        return result
 
-    head.drafter.propose_tree = propose_tree
+    per_session(head, record)
     return seen
 
 

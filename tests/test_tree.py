@@ -25,6 +25,7 @@ from tests.test_batching import cpu_only, fresh_sessions, tokens
 # The tiny target and tokenizer fixtures, a random head for it, and the option that has it
 # draft what is asked.
 from tests.test_eagle_services import ALWAYS, make_head, target, tokenizer  # noqa: F401
+from tests.test_inline_head import per_session
 
 MAX_NEW = 24
 PROMPTS = ["Explain how tides work.", "Write a haiku about rain.", "def add(a, b):"]
@@ -114,12 +115,10 @@ def oracle(head, target, tokenizer, prompts, wrong_at: int = 1, answer=None):
     for text in prompts:
         ids = chat_ids(tokenizer, text)
         answers.append(ids + answer(ids, MAX_NEW + 4))
-    original = head.drafter.propose_tree
     vocab = target.config.vocab_size
     calls = []
 
-    def propose_tree(synced, k, features=None):
-        result = original(synced, k, features)
+    def propose_tree(synced, k, features, result):
         context = list(synced.context)
         for full in answers:
             if full[:len(context)] == context and len(full) >= len(context) + 3 and k >= 3:
@@ -130,7 +129,7 @@ def oracle(head, target, tokenizer, prompts, wrong_at: int = 1, answer=None):
                 return chain, [(0, (truth[0] + 2) % vocab), (wrong_at, truth[wrong_at])]
         return result
 
-    head.drafter.propose_tree = propose_tree
+    per_session(head, propose_tree)
     return calls
 
 
@@ -230,15 +229,13 @@ def test_a_random_heads_own_alternatives_leave_the_output_alone(target, tokenize
             head = stack.target_servicer.verifier.head
             head.drafter.lookup_ngram = 0  # every chain the head's own (a copied one has no alternatives)
             proposed = []
-            original = head.drafter.propose_tree
 
-            def propose_tree(synced, k, features=None):
-                result = original(synced, k, features)
+            def propose_tree(synced, k, features, result):
                 if not isinstance(result, Resync):
                     proposed.append(result)
                 return result
 
-            head.drafter.propose_tree = propose_tree
+            per_session(head, propose_tree)
             async with Client(stack.address) as client:
                 results = [await client.complete(make_request(p, max_new_tokens=MAX_NEW, k=4)) for p in PROMPTS]
             return results, proposed

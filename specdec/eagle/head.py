@@ -264,18 +264,31 @@ class EagleHead(torch.nn.Module):
     def extend(self, cache: HeadCache, features: torch.Tensor, tokens: list[int]) -> torch.Tensor:
         """Feeds n positions (features [n, H] or [n, feature_size] of the positions before
         them, tokens) on top of the cache; returns the predicted features [n, H]."""
-        n = len(tokens)
-        start = cache.length
+        return self.extend_many([cache], features, [tokens])
+
+    def extend_many(self, caches: list[HeadCache], features: torch.Tensor, tokens: list[list[int]]) -> torch.Tensor:
+        """`extend` for many sessions in one pass of the layer's linears: session i feeds
+        tokens[i] on top of caches[i], features packed in the same order [T, H or
+        feature_size]; returns the predicted features [T, H]. Attention runs per session,
+        each over its own contiguous cache."""
         device = self.embed.device  # the target's (a head on a GPU target runs on that GPU)
-        positions = torch.arange(start, start + n, device=device)
+        positions = [p for cache, fed in zip(caches, tokens) for p in range(cache.length, cache.length + len(fed))]
+        ids = [t for fed in tokens for t in fed]
         x = self.inputs(features[None].to(device=device, dtype=self.fc.weight.dtype),
-                        torch.tensor([tokens], device=device))  # [1, n, H]
-        q, k, v = self.qkv(x, positions)
-        keys, values = cache.append(k[0], v[0])  # [kv_heads, L, d]
-        mask = None
-        if n > 1:
-            mask = torch.arange(start + n, device=device)[None, :] <= positions[:, None]  # [n, L]
-        attended = F.scaled_dot_product_attention(q, keys[None], values[None], attn_mask=mask, enable_gqa=True)
+                        torch.tensor([ids], device=device))  # [1, T, H]
+        q, k, v = self.qkv(x, torch.tensor(positions, device=device))  # [1, Hq, T, d]; [1, Hkv, T, d]
+        parts, offset = [], 0
+        for cache, fed in zip(caches, tokens):
+            n, start = len(fed), cache.length
+            keys, values = cache.append(k[0, :, offset:offset + n], v[0, :, offset:offset + n])  # [kv_heads, L, d]
+            mask = None
+            if n > 1:
+                mask = torch.arange(start + n, device=device)[None, :] <= \
+                    torch.arange(start, start + n, device=device)[:, None]  # [n, L]
+            parts.append(F.scaled_dot_product_attention(q[:, :, offset:offset + n], keys[None], values[None],
+                                                        attn_mask=mask, enable_gqa=True))
+            offset += n
+        attended = parts[0] if len(parts) == 1 else torch.cat(parts, 2)  # [1, Hq, T, d]
         return self.finish(x, attended)[0]
 
 

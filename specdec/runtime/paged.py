@@ -262,10 +262,14 @@ class PagedSession:
 class PagedKVCache:
     """The pool, its allocator and the prefix cache: what every session of one model shares."""
 
-    def __init__(self, pool: KVPool, namespace: str = ""):
+    def __init__(self, pool: KVPool, namespace: str = "", prefix_caching: bool = True):
         """namespace: what must match besides the tokens for a cached block to be reused (the
-        model's fingerprint; a tenant too where hits must not cross tenants)."""
+        model's fingerprint; a tenant too where hits must not cross tenants). Without
+        prefix_caching no block is ever named: `match_prefix` finds nothing and a released
+        block is free at once (a cache whose entries depend on more than the token ids,
+        like a draft head's, fed the target's features)."""
         self.pool = pool
+        self.prefix_caching = prefix_caching
         self.blocks = BlockAllocator(pool.num_blocks)
         self._root = hashlib.sha256(_HASH_ROOT_TAG + namespace.encode()).digest()
 
@@ -296,7 +300,7 @@ class PagedKVCache:
         cached block ends with it, the session takes the block and rolls back one token, and
         its next step writes that position into a copy (reserve's copy-on-write)."""
         size, start = self.block_size, session.length
-        if (start % size or len(session.hashes) != start // size
+        if (not self.prefix_caching or start % size or len(session.hashes) != start // size
                 or list(token_ids[:start]) != session.token_ids):
             return 0
         if len(session.block_table) > start // size:
@@ -356,6 +360,8 @@ class PagedKVCache:
         session.token_ids.extend(token_ids)
         session.length = end
         size = self.block_size
+        if not self.prefix_caching:
+            return
         for b in range(len(session.hashes), end // size):
             parent = session.hashes[-1] if session.hashes else None
             block_hash = self._chain(parent, session.token_ids[b * size:(b + 1) * size])

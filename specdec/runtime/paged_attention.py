@@ -82,7 +82,8 @@ def _session_attention_inputs(
     tree_mask: torch.Tensor | None,  # [B, Qmax, Qmax] bool
 ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Per session with new tokens: (its rows of q, its K and V gathered in logical order, the
-    [n, context + n] bool mask of what each new token attends)."""
+    [n, context + n] bool mask of what each new token attends, or None where it attends
+    every position: a single chain token)."""
     check_paged_inputs(q, k_pool, v_pool, block_tables, context_lens, query_starts, tree_mask)
     block_size = k_pool.shape[1]
     # One host read of the small index vectors: the reference is the CPU path (and the spec).
@@ -101,7 +102,9 @@ def _session_attention_inputs(
         blocks = block_tables[session, :live_blocks].long()  # entries past these are never read
         keys = k_pool[blocks].flatten(0, 1)[:kv_len]  # [L, Hkv, D], L = context + n
         values = v_pool[blocks].flatten(0, 1)[:kv_len]  # [L, Hkv, D]
-        if tree_mask is None:
+        if tree_mask is None and new == 1:
+            allowed = None  # one chain token sees its whole row
+        elif tree_mask is None:
             columns = torch.arange(kv_len, device=q.device)  # [L]
             rows = torch.arange(new, device=q.device)  # [n]
             allowed = columns[None, :] <= context + rows[:, None]  # [n, L], causal chain
@@ -134,13 +137,19 @@ def paged_attention_reference(
     )
     for first, last, queries, keys, values, allowed in sessions:
         new = last - first
-        queries = queries.float().view(new, kv_heads, group, head_dim)  # [n, Hkv, G, D]
-        scores = torch.einsum("nhgd,lhd->hgnl", queries, keys.float()) * scale  # [Hkv, G, n, L]
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        # Rows (g, j) of kv head h: query head h·G + g at new token j.
+        queries = queries.float().view(new, kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, n, D]
+        queries = queries.reshape(kv_heads, group * new, head_dim)
+        scores = torch.bmm(queries, keys.float().permute(1, 2, 0)) * scale  # [Hkv, G·n, L]
+        scores = scores.view(kv_heads, group, new, -1)  # [Hkv, G, n, L]
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # [Hkv, G, n, L]
-        # A row that may attend nothing is all -inf, so NaN after softmax: it reads nothing.
-        probs = probs.masked_fill(~allowed.any(dim=-1)[:, None], 0.0)
-        attended = torch.einsum("hgnl,lhd->nhgd", probs, values.float())  # [n, Hkv, G, D]
+        if tree_mask is not None:
+            # A tree row that may attend nothing is all -inf, so NaN after softmax: it reads nothing.
+            probs = probs.masked_fill(~allowed.any(dim=-1)[:, None], 0.0)
+        attended = torch.bmm(probs.view(kv_heads, group * new, -1), values.float().transpose(0, 1))  # [Hkv, G·n, D]
+        attended = attended.view(kv_heads, group, new, head_dim).permute(2, 0, 1, 3)  # [n, Hkv, G, D]
         out[first:last] = attended.reshape(new, heads, head_dim).to(q.dtype)
     return out
 
@@ -166,14 +175,14 @@ def paged_attention_sdpa(
     )
     for first, last, queries, keys, values, allowed in sessions:
         # A single chain token sees its whole row: no mask lets SDPA pick its fastest kernel.
-        mask = None if (tree_mask is None and last - first == 1) else allowed  # [n, L]
+        mask = allowed  # [n, L] or None
         attended = F.scaled_dot_product_attention(
             queries.transpose(0, 1),  # [Hq, n, D]
             keys.transpose(0, 1),  # [Hkv, L, D]
             values.transpose(0, 1),
             attn_mask=mask, scale=scale, enable_gqa=True,
         )  # [Hq, n, D]
-        if mask is not None:
+        if tree_mask is not None:
             attended = attended.masked_fill(~allowed.any(dim=-1)[None, :, None], 0.0)
         out[first:last] = attended.transpose(0, 1)
     return out
