@@ -84,7 +84,7 @@ EOF
 SPECDEC_TEST_DEVICE=cuda timeout "${TESTS_TIMEOUT_S:-300}" "$python" -m pytest -q -p no:cacheprovider -m "not slow" \
     ${PYTEST_ARGS:-} tests/test_services.py tests/test_sampling_services.py tests/test_seeded_determinism.py \
     tests/test_batching.py tests/test_inline_head.py tests/test_eagle_services.py tests/test_tree.py \
-    tests/test_dtype.py tests/test_paged_serving.py tests/test_paged_cache.py 2>&1 | tee "$out/pytest_cuda.log" | tail -40
+    tests/test_dtype.py tests/test_paged_serving.py tests/test_paged_cache.py tests/test_paged_head.py 2>&1 | tee "$out/pytest_cuda.log" | tail -40
 tests=${PIPESTATUS[0]}
 echo "pytest on cuda: exit $tests"
 [ "$kernels" -eq 0 ] && [ "$paged" -eq 0 ] && [ "$step" -eq 0 ] && [ "$tests" -eq 0 ]

@@ -245,6 +245,11 @@ class Verifier:
             reuse = self.head is None and not rnd.features
             fed = self.lm.prepare(synced, reuse_prefix=reuse) + rnd.drafts + [token for _, token in alternatives]
             blocks.append(_Block(i, rnd, synced, fed, alternatives))
+        limit = self.lm.max_tree_step_tokens
+        if limit is not None and any(b.alternatives for b in blocks) and any(len(b.fed) > limit for b in blocks):
+            # A session feeding more than a tree step holds (a prompt, a resync) rides in
+            # this step without trees: the alternatives are dropped (they only add speed).
+            blocks = [dataclasses.replace(b, fed=b.fed[:b.chain_len], alternatives=[]) for b in blocks]
         # Room in the cache before the step: a round that cannot fit fails alone.
         refused = self.lm.admit([block.session for block in blocks], [len(block.fed) for block in blocks])
         for block, error in zip(blocks, refused):

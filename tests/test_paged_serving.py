@@ -7,6 +7,7 @@ suite over the pool too.)"""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -94,6 +95,7 @@ def test_a_pool_too_small_for_the_load_stays_exact(target, tokenizer, caplog):
     # Room for about two sessions' contexts: eight concurrent requests must take turns (a
     # round that does not fit is refused alone, and its request retries it).
     options = {**PAGED, "max_cache_bytes": 24 * target_block_bytes(target)}
+    caplog.set_level(logging.INFO, logger="coordinator.workers")  # a busy replica is logged, not a fault
 
     async def scenario():
         async with running_stack(target, tokenizer, draft="ngram", target_options=options) as stack:
@@ -158,3 +160,48 @@ def target_block_bytes(model) -> int:
     from specdec.runtime.paged import DEFAULT_BLOCK_SIZE, KVShape, block_bytes
 
     return block_bytes(KVShape.of(model.config), DEFAULT_BLOCK_SIZE, next(model.parameters()).dtype)
+
+
+def test_a_full_pool_refuses_the_request_without_failing_the_replica(target, tokenizer):
+    # A prompt bigger than the whole pool: the worker refuses each try of its round alone
+    # (RESOURCE_EXHAUSTED, pool unchanged), the coordinator retries it and then tells the
+    # client RESOURCE_EXHAUSTED — and never takes the busy replica out: the next request is
+    # served at once.
+    import grpc
+
+    options = {**PAGED, "max_cache_bytes": 8 * target_block_bytes(target)}  # 7 usable blocks
+    short, long = PROMPTS[0], " ".join(PROMPTS * 3)  # 228 tokens: within the context, not the pool
+    assert len(chat_ids(tokenizer, long)) > 7 * 16
+
+    async def scenario():
+        async with running_stack(target, tokenizer, target_options=options, worker_retries=2) as stack:
+            pool = stack.coordinator_servicer.runner.target.pool
+            async with Client(stack.address) as client:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await client.complete(make_request(long, max_new_tokens=4))
+                replica = next(iter(pool.replicas.values()))
+                state = (replica.healthy, replica.failures, replica.ejected)
+                served = await client.complete(make_request(short, max_new_tokens=MAX_NEW))
+            return refused.value, state, served
+
+    error, (healthy, failures, ejected), served = run(scenario())
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "busy" in error.details()
+    assert healthy and failures == 0 and not ejected
+    assert list(served.token_ids) == expected(target, tokenizer, short)
+
+
+def test_a_head_with_many_sessions_on_the_pool_stays_exact(target, tokenizer):
+    # Sixteen requests at once with a head proposing alternatives: a new session's prompt
+    # (more tokens than a tree step holds per session) joins steps whose other sessions
+    # carry tree leaves; those steps run without the leaves, the output is the target's.
+    prompts = [f"{p} " * (1 + i % 4) for i, p in enumerate(PROMPTS * 4)][:16]
+    options = {**PAGED, **ALWAYS, "min_alt_prob": 0.0}
+
+    async def scenario():
+        async with running_stack(target, tokenizer, target_head=make_head(target), target_options=options) as stack:
+            return await asyncio.gather(*(complete_all(stack.address, [p], k=4) for p in prompts))
+
+    results = run(scenario())
+    for prompt, (result,) in zip(prompts, results):
+        assert list(result.token_ids) == expected(target, tokenizer, prompt), prompt
+    assert any(len(chat_ids(tokenizer, p)) > 64 for p in prompts)

@@ -185,6 +185,9 @@ class CausalLM:
                 log.info("batched rounds run one session at a time: %s", reason)
         return self._packed
 
+    # The most tokens one session may feed in a step that carries a tree (None: no limit).
+    max_tree_step_tokens: int | None = None
+
     @property
     def runs_trees(self) -> bool:
         """Whether feed and feed_batch take tree blocks (`parents`): in the packed forward,

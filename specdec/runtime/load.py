@@ -31,7 +31,7 @@ def kv_cache_kind(kind: str, device: torch.device | str) -> str:
 def serving_lm(model: torch.nn.Module, enabled: bool = True, kv_cache: str = "buffered", *,
                max_cache_bytes: int | None = None, kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION,
                block_size: int = DEFAULT_BLOCK_SIZE, attention: Callable[..., torch.Tensor] | None = None,
-               namespace: str = "") -> CausalLM:
+               namespace: str = "", max_batch: int = 64) -> CausalLM:
     """The CausalLM a worker serves `model` with: the fast path when enabled and the model
     can take it, else the model as it is (and always on a GPU: the fast path is oneDNN's).
     Either way its logits are float32: a bfloat16 or float16 model is served through a copy
@@ -40,7 +40,7 @@ def serving_lm(model: torch.nn.Module, enabled: bool = True, kv_cache: str = "bu
     kv_cache "paged" (or "auto" on CUDA): one paged KV pool for every session and one forward
     per step (specdec.runtime.paged_lm), sized from max_cache_bytes (else kv_memory_fraction
     of the free device memory), attending through `attention` (default: the runtime's
-    choice for the device); a model the paged forward does not cover is served with the
+    choice for the device), up to max_batch sessions a step (the worker's batch limit); a model the paged forward does not cover is served with the
     buffered caches, and the log says why."""
     model = with_fp32_logits(model)
     device = next(model.parameters()).device
@@ -52,7 +52,8 @@ def serving_lm(model: torch.nn.Module, enabled: bool = True, kv_cache: str = "bu
                 fast = fast_cpu_model(model)
                 served = fast if fast is not model and agrees(model, fast) else model
             return PagedCausalLM(served, max_cache_bytes=max_cache_bytes, kv_memory_fraction=kv_memory_fraction,
-                                 block_size=block_size, attention=attention, namespace=namespace)
+                                 block_size=block_size, attention=attention, namespace=namespace,
+                                 max_batch=max_batch)
         log.warning("paged KV cache off for %s: %s", type(model).__name__, reason)
     if enabled and device.type == "cpu":
         fast = fast_cpu_model(model)

@@ -83,6 +83,8 @@ class PagedCausalLM(CausalLM):
         self.prefix_hit_tokens = 0
         """Context tokens new sessions took from the prefix cache instead of feeding them."""
         self._tree_from: dict[int, int] = {}  # id(PagedSession) -> where its unnamed tree tail starts
+        # A step with a tree carries a [max_query, max_query] mask per session (StepLimits).
+        self.max_tree_step_tokens = self.buffers.limits.max_query
         log.info("paged KV cache: %d blocks of %d tokens, %.1f MiB", blocks, block_size, self.pool.nbytes / 2**20)
 
     def bind(self, store) -> None:
