@@ -2,7 +2,8 @@
 
 Stages, each on top of the previous: the stock model (MKL linears, transformers' SDPA with
 repeated KV heads, DynamicCache), + oneDNN packed linears, + grouped-query attention inside
-SDPA, + buffered KV caches (= `serving_lm`, what the workers serve). For each: a 1-token step
+SDPA, + buffered KV caches, + each linear's kernel per row count chosen by timing both at load
+(= `serving_lm`, what the workers serve). For each: a 1-token step
 and a (k + 1)-token verification at two context lengths (median of interleaved repeats), and
 end-to-end tokens/s of greedy decoding through the worker's Verifier, target alone and with
 n-gram drafts (no gRPC: the services' own overhead is in `specdec bench`). Everything runs on
@@ -35,12 +36,14 @@ MAX_NEW = 96
 def stages(model):
     from specdec.runtime.cpu import fast_cpu_model, new_cache
     from specdec.runtime.lm import CausalLM
+    from specdec.runtime.load import serving_lm
 
     return {
         "stock (MKL, DynamicCache)": CausalLM(model),
         "+ packed linears": CausalLM(fast_cpu_model(model, gqa_attention=False)),
         "+ GQA inside SDPA": CausalLM(fast_cpu_model(model)),
-        "+ buffered KV cache (serving_lm)": CausalLM(fast_cpu_model(model), new_cache=new_cache),
+        "+ buffered KV cache": CausalLM(fast_cpu_model(model), new_cache=new_cache),
+        "+ linears chosen by timing (serving_lm)": serving_lm(model),
     }
 
 

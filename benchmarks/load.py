@@ -599,8 +599,9 @@ def main(argv: list[str] | None = None) -> int:
 
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    # Every simulated user streams through this process's one client: let it hold them all.
-    streams = ["--max-streams-per-client", str(max(16, max(concurrencies)))]
+    # Every simulated user streams through this process's one client: let it hold them all,
+    # and start their requests at once.
+    streams = ["--max-streams-per-client", str(max(16, max(concurrencies))), "--rate-limit", "0"]
     up = SpecdecUp(args.target, args.draft, args.k, args.threads, loop, extra_args=streams)
     unbatched = SpecdecUp(args.target, args.draft, args.k, args.threads, loop,
                           extra_args=streams + ["--no-batching"]) if args.unbatched else None

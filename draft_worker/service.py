@@ -13,6 +13,7 @@ from draft_worker.propose import Proposer, Request
 from specdec import eagle, logs, metrics
 from specdec.config import WorkerConfig
 from specdec.eagle.checkpoint import is_eagle_dir
+from specdec.eagle.batched import BatchedEagleDrafter
 from specdec.eagle.policy import EagleDrafter
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.models import NGRAM, load_model, load_tokenizer, vocab_hash, weights_dtype
@@ -135,7 +136,8 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> DraftWor
         head, info = thread.call(load_head)
         if config.cpu_fast_path:
             head = thread.call(lambda: eagle.fast_cpu_head(head))
-        drafter = EagleDrafter(config.model, head, min_chain_prob=config.min_chain_prob)
+        # Every session of a step drafted together (specdec.eagle.batched).
+        drafter = BatchedEagleDrafter(EagleDrafter(config.model, head, min_chain_prob=config.min_chain_prob))
         bytes_per_token = drafter.bytes_per_token
     else:
         def load():

@@ -40,6 +40,9 @@ class Session:
     # On a target worker that runs a draft head: the head's state for this session
     # (target_worker.head.HeadState), dropped with the session.
     head: Any = None
+    # A feature-level head's cache (specdec.eagle.batched): how many leading entries were
+    # fed the target's true features (the rest, its own predictions, are rolled back).
+    trusted: int = 0
     # The store's clock when a round (or a prefill chunk) last synced the session.
     touched: float = 0.0
     # Bytes its caches (and a head's state) keep allocated, as last measured after a step

@@ -169,3 +169,45 @@ def test_self_check_accepts_the_copy(plain, fast):
 def test_self_check_rejects_another_model(plain, tokenizer):
     other = make_tiny_model(tokenizer, seed=7, layers=2, max_positions=KV_BLOCK_TOKENS + 64)
     assert not agrees(plain, fast_cpu_model(other))
+
+
+def test_choose_linears_gives_stock_mkl_the_row_counts_it_wins_by_the_margin(plain):
+    from specdec.runtime.cpu import CHOSEN_ROWS, STOCK_MARGIN, choose_linears, linear_shape
+
+    # Timings stand in for the machine: per shape, rows 1..CHOSEN_ROWS, stock then packed.
+    stock = {1: 0.5, 2: 1.0 - STOCK_MARGIN / 2, 3: 0.9}
+    calls = []
+
+    def timer(fn) -> float:
+        index = len(calls)
+        calls.append(fn)
+        rows = (index // 2) % CHOSEN_ROWS + 1
+        return stock.get(rows, 2.0) if index % 2 == 0 else 1.0
+
+    chosen = choose_linears(plain, timer)
+    shapes = {linear_shape(m) for m in plain.modules() if type(m) is torch.nn.Linear}
+    assert set(chosen) == shapes and len(calls) == 2 * CHOSEN_ROWS * len(shapes)
+    assert all(rows == {1, 3} for rows in chosen.values())
+
+
+def test_a_mixed_linear_runs_each_row_count_on_its_kernel(plain, tokenizer):
+    from specdec.runtime.cpu import MixedLinear, choose_linears, linear_shape
+
+    linear = plain.model.layers[0].mlp.gate_proj
+    mixed, packed = MixedLinear(linear, frozenset({1, 3})), PackedLinear(linear)
+    with torch.inference_mode():
+        for rows in range(1, 6):
+            x = torch.randn(1, rows, linear.in_features)
+            kernel = torch.nn.functional.linear(x, linear.weight, linear.bias) if rows in (1, 3) else packed(x)
+            assert torch.equal(mixed(x), kernel), rows
+    # A model served with stock MKL at one row everywhere: same greedy tokens, close logits.
+    everywhere = {linear_shape(m): frozenset({1}) for m in plain.modules() if type(m) is torch.nn.Linear}
+    fast = fast_cpu_model(plain, stock_rows=everywhere)
+    assert sum(isinstance(m, MixedLinear) for m in fast.modules()) == 2 * 7 + 1
+    assert agrees(plain, fast)
+    ids = prompt_ids(tokenizer, 30)
+    eos = tokenizer.eos_token_id
+    assert greedy_through(CausalLM(fast), ids, MAX_NEW, eos) == reference_greedy(plain, ids, MAX_NEW)
+    # What the workers serve times both kernels for every shape of the model.
+    chosen = choose_linears(plain)
+    assert set(chosen) == set(everywhere) and all(rows <= set(range(1, 9)) for rows in chosen.values())

@@ -9,10 +9,12 @@ MIN_ALT_PROB); only the arithmetic is batched, so a draft can differ from the on
 head's at a float rounding near-tie, never in kind. Drafts only ever cost speed: the target
 verifies every token.
 
-Per session the head keeps a head Session: its cache (the storage's), its ids (the tokens
-fed) and its `committed_len`, how many of those were fed with the target's true features
-(entries of draft positions, fed the head's own predictions, are rolled back at the next
-round, as in specdec.eagle.policy).
+Per session the head keeps a Session: its cache (the storage's), its ids (the tokens fed) and
+`trusted`, how many of those were fed with the target's true features (entries of draft
+positions, fed the head's own predictions, are rolled back at the next round, as in
+specdec.eagle.policy). A target worker's head keeps that Session beside the target's
+(target_worker.head); a draft worker serving a head drafts on its store's sessions
+(`BatchedEagleDrafter`).
 
 Storage (`HeadStorage`): where the sessions' head keys and values live, chosen like the
 target's (`--kv-cache`): a paged pool of its own beside a paged target (specdec.eagle.paged:
@@ -106,7 +108,7 @@ class BatchedDrafter:
         """Gives a head session's storage back."""
         if session.cache is not None:
             self.storage.release(session.cache)
-        session.cache, session.ids, session.committed_len = None, [], 0
+        session.cache, session.ids, session.trusted = None, [], 0
 
     @torch.inference_mode()
     def propose_tree(self, synced: Sequence[SyncedContext], ks: Sequence[int],
@@ -135,7 +137,7 @@ class BatchedDrafter:
         sessions = [synced[i].session for i in ready]
         predicted = self._run(sessions, torch.cat(fed_rows), fed_tokens)  # [B, H]: each session's last fed row
         for i, session in zip(ready, sessions):
-            session.committed_len = len(synced[i].context)
+            session.trusted = len(synced[i].context)
         drafting: list[int] = []  # indices into `ready`
         for j, (i, k) in enumerate(zip(ready, limits)):
             copied = lookup(synced[i].context, k, max(DEFAULT_MAX_NGRAM, self.drafter.lookup_ngram),
@@ -155,13 +157,13 @@ class BatchedDrafter:
         (feature rows, tokens) of the committed positions it must still take in; or Resync."""
         session, context, storage = sync.session, sync.context, self.storage
         if session.cache is None:
-            session.cache, session.ids, session.committed_len = storage.new_cache(), [], 0
+            session.cache, session.ids, session.trusted = storage.new_cache(), [], 0
         # Entries of committed positions fed with true features stay; never the last
         # committed token's: its output is the first draft's prediction.
-        keep = min(sync.reusable, session.committed_len, len(context) - 1, storage.length(session.cache))
+        keep = min(sync.reusable, session.trusted, len(context) - 1, storage.length(session.cache))
         storage.truncate(session.cache, keep)
         del session.ids[keep:]
-        session.committed_len = keep
+        session.trusted = keep
         rows = features.cover(max(keep - 1, 0), len(context) - 1)
         if rows is None:
             return Resync(cached_len=keep)
@@ -239,3 +241,28 @@ def tokens_ends(tokens: Sequence[Sequence[int]]) -> list[int]:
         total += len(fed)
         ends.append(total - 1)
     return ends
+
+
+class BatchedEagleDrafter:
+    """A head as a draft worker serves it (features from the wire): EagleDrafter's interface
+    for draft_worker.propose, drafting every session of a step together over buffered
+    caches. Chains only: a draft worker's drafts carry no alternatives."""
+
+    def __init__(self, drafter: EagleDrafter, storage: HeadStorage | None = None):
+        self.drafter = drafter
+        self.name = drafter.name
+        self.head = drafter.head
+        self.feature_size = drafter.feature_size
+        self.bytes_per_token = drafter.bytes_per_token
+        self.batched = BatchedDrafter(drafter, storage or BufferedHead(drafter.head))
+
+    def held_bytes(self, session: Session) -> int:
+        return 0 if session.cache is None else self.batched.storage.held_bytes(session.cache)
+
+    def propose_batch(self, synced: list[SyncedContext], ks: list[int],
+                      features: list[Features | None] | None = None) -> list[list[int] | Resync]:
+        # A round without features can only draft what its cache already covers.
+        empty = Features.from_rows(0, torch.zeros((0, self.feature_size), dtype=torch.float16))
+        features = [f if f is not None else empty for f in (features or [None] * len(synced))]
+        results = self.batched.propose_tree(synced, ks, features)
+        return [result if isinstance(result, Resync) else result[0] for result in results]

@@ -9,7 +9,11 @@ once, `mkldnn._linear_pointwise` per call) is as fast at 1 row and nearly flat i
 done, each exact in intent and each checked token for token against the plain model by the
 tests (tests/test_runtime_cpu.py):
 
-1. every `nn.Linear` becomes a `PackedLinear` (oneDNN blocked weights, fp32 in and out);
+1. every `nn.Linear` becomes a `PackedLinear` (oneDNN blocked weights, fp32 in and out) —
+   or, where the serving machine's stock MKL GEMM measures faster at some row counts (on
+   some CPUs it is, at a decoding step's single row), a `MixedLinear` that serves those row
+   counts by MKL on the plain weight and the others by the packed one (`choose_linears`
+   times both at load, per weight shape and row count);
 2. grouped-query attention runs inside SDPA (`enable_gqa=True`) instead of copying the keys
    and values `num_heads / num_kv_heads` times per layer per verification (transformers
    does that copy whenever a mask is passed, i.e. for every multi-token block with a cache;
@@ -37,6 +41,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +62,13 @@ log = logging.getLogger(__name__)
 KV_BLOCK_TOKENS = 256
 KV_GROWTH = 1.5
 PACKABLE_DTYPES = (torch.float32,)
+# Row counts whose kernel `choose_linears` times at load: a decoding step's one row and a
+# verification's few; from this many rows on the packed weights serve (flat in rows).
+CHOSEN_ROWS = 8
+# Stock MKL serves a row count only when it measured at least this much faster there (one
+# timing at load on a busy machine is noisy; the packed path is the default).
+STOCK_MARGIN = 0.05
+TIMING_REPEATS = 7
 # The load-time self-check: tokens run through both models, and the largest logit difference
 # allowed relative to the largest logit (packed linears differ by float32 rounding only).
 SELF_CHECK_TOKENS = 8
@@ -82,6 +96,73 @@ class PackedLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class MixedLinear(torch.nn.Module):
+    """A linear served by MKL's stock GEMM on the plain weight for the row counts in
+    `stock_rows` and by the packed oneDNN weight (PackedLinear) for all others. Holds both
+    weights: the plain one is the model's own parameter."""
+
+    def __init__(self, linear: torch.nn.Linear, stock_rows: frozenset[int]):
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.stock_rows = frozenset(stock_rows)
+        self.packed = PackedLinear(linear)
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if x.numel() // self.in_features in self.stock_rows:
+            return F.linear(x, self.weight, self.bias)
+        return self.packed(x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, stock_rows={sorted(self.stock_rows)}"
+
+
+def linear_shape(linear: torch.nn.Linear) -> tuple[int, int, bool]:
+    return linear.in_features, linear.out_features, linear.bias is not None
+
+
+@torch.inference_mode()
+def choose_linears(model: torch.nn.Module, timer: Callable[[Callable[[], object]], float] | None = None,
+                   ) -> dict[tuple[int, int, bool], frozenset[int]]:
+    """Per linear weight shape of `model`, the row counts (of 1 … CHOSEN_ROWS) that stock MKL
+    serves faster than the packed oneDNN weight by STOCK_MARGIN, timed here, on the machine
+    that serves (the two kernels rank differently on different CPUs). `timer(fn)` returns
+    seconds per call (default: the median of TIMING_REPEATS interleaved calls)."""
+    if can_pack(model) is not None:
+        return {}
+    representatives: dict[tuple[int, int, bool], torch.nn.Linear] = {}
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            representatives.setdefault(linear_shape(module), module)
+    out: dict[tuple[int, int, bool], frozenset[int]] = {}
+    for shape, linear in representatives.items():
+        packed = PackedLinear(linear)
+        stock_rows = set()
+        for rows in range(1, CHOSEN_ROWS + 1):
+            x = torch.randn(rows, linear.in_features)
+            stock_s, packed_s = _time_pair(lambda: F.linear(x, linear.weight, linear.bias), lambda: packed(x), timer)
+            if stock_s < (1.0 - STOCK_MARGIN) * packed_s:
+                stock_rows.add(rows)
+        out[shape] = frozenset(stock_rows)
+    return out
+
+
+def _time_pair(first: Callable[[], object], second: Callable[[], object],
+               timer: Callable[[Callable[[], object]], float] | None) -> tuple[float, float]:
+    if timer is not None:
+        return timer(first), timer(second)
+    first(), second()  # warm-up: oneDNN builds its kernel for the shape
+    samples: tuple[list[float], list[float]] = ([], [])
+    for _ in range(TIMING_REPEATS):
+        for fn, seen in ((first, samples[0]), (second, samples[1])):
+            began = time.perf_counter()
+            fn()
+            seen.append(time.perf_counter() - began)
+    return statistics.median(samples[0]), statistics.median(samples[1])
 
 
 def can_pack(model: torch.nn.Module) -> str | None:
@@ -145,10 +226,14 @@ def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     return out.transpose(1, 2).contiguous(), None  # [batch, q, heads, head_dim]
 
 
-def fast_cpu_model(model: torch.nn.Module, pack_linears: bool = True, gqa_attention: bool = True) -> torch.nn.Module:
+def fast_cpu_model(model: torch.nn.Module, pack_linears: bool = True, gqa_attention: bool = True,
+                   stock_rows: dict[tuple[int, int, bool], frozenset[int]] | None = None) -> torch.nn.Module:
     """The serving copy of a model: packed linears (CPU fp32 only) and specdec's attention
     function (in-SDPA GQA, and packed multi-session batches: specdec.runtime.packed), which also
-    serves GPU models. Returns `model` itself, unchanged, when neither applies."""
+    serves GPU models. Returns `model` itself, unchanged, when neither applies.
+
+    stock_rows (choose_linears' answer): per weight shape, the row counts MKL's stock GEMM
+    serves instead of the packed weight (a MixedLinear); none given, every linear is packed."""
     reason = can_pack(model)
     if reason is not None and pack_linears:
         log.info("packed linears off for %s: %s", type(model).__name__, reason)
@@ -157,11 +242,18 @@ def fast_cpu_model(model: torch.nn.Module, pack_linears: bool = True, gqa_attent
         return model
 
     def swap(name: str, child: torch.nn.Module):
-        return PackedLinear(child) if pack_linears and type(child) is torch.nn.Linear else None
+        if not pack_linears or type(child) is not torch.nn.Linear:
+            return None
+        rows = (stock_rows or {}).get(linear_shape(child))
+        return MixedLinear(child, rows) if rows else PackedLinear(child)
 
     with torch.no_grad():
         fast = _clone_tree(model, swap)
-    packed = sum(isinstance(m, PackedLinear) for m in fast.modules())
+    packed = sum(isinstance(m, PackedLinear) for m in fast.modules())  # a MixedLinear holds one
+    mixed = sorted({f"{m.in_features}x{m.out_features} at {sorted(m.stock_rows)} rows"
+                    for m in fast.modules() if isinstance(m, MixedLinear)})
+    if mixed:
+        log.info("CPU fast path: stock MKL measured faster for %s", "; ".join(mixed))
     config = getattr(model, "config", None)
     uses_sdpa = config is not None and getattr(config, "_attn_implementation", None) == "sdpa"
     if not packed and not uses_sdpa:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from specdec.config import KV_CACHES
-from specdec.runtime.cpu import agrees, fast_cpu_model, new_cache
+from specdec.runtime.cpu import agrees, choose_linears, fast_cpu_model, new_cache
 from specdec.runtime.lm import CausalLM
 from specdec.runtime.paged import DEFAULT_BLOCK_SIZE, DEFAULT_KV_MEMORY_FRACTION
 from specdec.runtime.paged_llama import supports_paged
@@ -33,7 +33,9 @@ def serving_lm(model: torch.nn.Module, enabled: bool = True, kv_cache: str = "bu
                block_size: int = DEFAULT_BLOCK_SIZE, attention: Callable[..., torch.Tensor] | None = None,
                namespace: str = "", max_batch: int = 64) -> CausalLM:
     """The CausalLM a worker serves `model` with: the fast path when enabled and the model
-    can take it, else the model as it is (and always on a GPU: the fast path is oneDNN's).
+    can take it (each linear's kernel per row count chosen by timing both here:
+    specdec.runtime.cpu.choose_linears), else the model as it is (and always on a GPU: the
+    fast path is oneDNN's).
     Either way its logits are float32: a bfloat16 or float16 model is served through a copy
     whose LM head projects in float32 (specdec.runtime.precision); `model` is not changed.
 
@@ -49,14 +51,14 @@ def serving_lm(model: torch.nn.Module, enabled: bool = True, kv_cache: str = "bu
         if reason is None:
             served = model
             if enabled and device.type == "cpu":
-                fast = fast_cpu_model(model)
+                fast = fast_cpu_model(model, stock_rows=choose_linears(model))
                 served = fast if fast is not model and agrees(model, fast) else model
             return PagedCausalLM(served, max_cache_bytes=max_cache_bytes, kv_memory_fraction=kv_memory_fraction,
                                  block_size=block_size, attention=attention, namespace=namespace,
                                  max_batch=max_batch)
         log.warning("paged KV cache off for %s: %s", type(model).__name__, reason)
     if enabled and device.type == "cpu":
-        fast = fast_cpu_model(model)
+        fast = fast_cpu_model(model, stock_rows=choose_linears(model))
         if fast is not model:
             if agrees(model, fast):
                 return CausalLM(fast, new_cache=new_cache)
