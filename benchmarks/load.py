@@ -7,6 +7,7 @@ measured side by side in one run (this machine is shared and noisy).
     python benchmarks/load.py --draft ngram         # another drafter
     python benchmarks/load.py --unbatched           # also `specdec up --no-batching` (before/after)
     python benchmarks/load.py --paged --clients 1,16 --name load-paged   # also `--kv-cache paged`
+    python benchmarks/load.py --clients 16 --up-args="--min-alt-prob 1"  # more `specdec up` flags
     python benchmarks/load.py --http                # the APIs side by side: gRPC, HTTP (openai SDK), HTTP (aiperf)
 
 One `specdec up` process (coordinator, target and draft workers, mTLS links, exactly as users
@@ -50,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -575,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--paged", action="store_true",
                         help="also measure on `specdec up --kv-cache paged` (against the buffered caches)")
     parser.add_argument("--name", default="load", help="report file name under --out (NAME.json, NAME.md)")
+    parser.add_argument("--up-args", default="", help="more `specdec up` arguments for every server, one string")
     parser.add_argument("--quick", action="store_true", help="1 and 4 clients, one repeat")
     parser.add_argument("--http", action="store_true",
                         help="compare the APIs instead: gRPC, HTTP via the openai SDK, HTTP via aiperf")
@@ -601,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     asyncio.set_event_loop(loop)
     # Every simulated user streams through this process's one client: let it hold them all,
     # and start their requests at once.
-    streams = ["--max-streams-per-client", str(max(16, max(concurrencies))), "--rate-limit", "0"]
+    streams = ["--max-streams-per-client", str(max(16, max(concurrencies))), "--rate-limit", "0",
+               *shlex.split(args.up_args)]
     up = SpecdecUp(args.target, args.draft, args.k, args.threads, loop, extra_args=streams)
     unbatched = SpecdecUp(args.target, args.draft, args.k, args.threads, loop,
                           extra_args=streams + ["--no-batching"]) if args.unbatched else None
@@ -652,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": describe(args.threads),
         "config": {"target": args.target, "draft": args.draft, "k": args.k, "clients": concurrencies,
                    "requests_per_client": args.requests_per_client, "max_new_tokens": args.max_new_tokens,
-                   "repeats": repeats},
+                   "repeats": repeats, "up_args": args.up_args},
         "summary": summary,
         "targets": targets(summary, concurrencies),
         "identical": identical,

@@ -208,6 +208,10 @@ class StepCostModel:
         self._step_s = 0.0  # the usual decode step's duration
         self._cost = DRAFT_TOKEN_COST
         self._stale = False  # steps observed since the last fit
+        # A head on the target worker: its drafting time per step that asked it, and the
+        # decayed share of a step's rounds that asked.
+        self.head = RoundTimes()
+        self.head_asking = 0.0
 
     def observe(self, rows: int, seconds: float, rounds: int, drafts: int = 0, drafting: int = 0) -> None:
         """A step: its rows, duration, rounds, draft rows and rounds with drafts."""
@@ -217,6 +221,25 @@ class StepCostModel:
         self.drafting = share if not self.steps else STEP_DECAY * self.drafting + (1 - STEP_DECAY) * share
         self.steps.append((rounds, drafts, seconds))
         self._stale = True
+
+    def observe_head(self, seconds: float, rounds: int, asking: int) -> None:
+        """A step in which `asking` of its `rounds` asked the head on the target worker for
+        their next blocks, which took it `seconds` of the step."""
+        if asking <= 0 or rounds <= 0:
+            return
+        self.head.observe(seconds)
+        share = asking / rounds
+        self.head_asking = share if self.head.count == 1 else \
+            STEP_DECAY * self.head_asking + (1 - STEP_DECAY) * share
+
+    def head_cost(self) -> float:
+        """What asking the head on the target worker for a block costs, in steps: its
+        drafting time lengthens the step every round in it waits for, shared among the
+        rounds that asked (as a Propose round is, `propose_cost`)."""
+        if self.head.count < MIN_ROUNDS_TIMED or self.step_s <= 0:
+            return PROPOSE_COST
+        waiting = self.rounds / max(1.0, self.head_asking * self.rounds)
+        return min(MAX_PROPOSE_COST, max(PROPOSE_COST, self.head.seconds * waiting / self.step_s))
 
     def _refit(self) -> None:
         self._stale = False

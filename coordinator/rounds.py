@@ -197,10 +197,10 @@ class RoundRunner:
 
     def _head_draft(self, gen: Generation) -> tuple[list[int], tuple[int, bool], int]:
         """This round verifies what the head drafted last round; the head drafts the next one
-        in this round's step (its cost is in the step's time)."""
+        in this round's step, which its drafting time lengthens (measured by the worker)."""
         drafts = self._valid(gen.ahead[:max(0, gen.draft_room)])
         asked = gen.ahead_asked
-        draft_next = gen.adaptive.next_k(self.target.draft_token_cost(gen.target))
+        draft_next = gen.adaptive.next_k(self.target.draft_token_cost(gen.target), self.target.head_cost(gen.target))
         gen.ahead_asked = (gen.adaptive.asked, gen.adaptive.probing)
         return drafts, asked, draft_next
 

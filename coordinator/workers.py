@@ -726,8 +726,9 @@ class TargetClient(WorkerClient):
     def _on_step(self, address: str, response, requests: list) -> None:
         drafts = sum(len(r.draft_tokens) for r in requests)
         drafting = sum(1 for r in requests if r.draft_tokens)
-        self.costs.setdefault(address, StepCostModel()).observe(response.rows, response.step_s, len(requests), drafts,
-                                                                drafting)
+        model = self.costs.setdefault(address, StepCostModel())
+        model.observe(response.rows, response.step_s, len(requests), drafts, drafting)
+        model.observe_head(response.draft_s, len(requests), sum(1 for r in requests if r.draft_next))
 
     @staticmethod
     def _round_tokens(request) -> int:
@@ -744,6 +745,13 @@ class TargetClient(WorkerClient):
         serving the session, in its steps; the one-request figure before any step."""
         model = self.costs.get(session.replica) if session.replica else None
         return model.propose_cost(propose) if model is not None else PROPOSE_COST
+
+    def head_cost(self, session: WorkerSession) -> float:
+        """What asking the head on the replica serving the session for a block costs now, in
+        its steps (the head's measured drafting time per step); the one-request figure
+        before any step."""
+        model = self.costs.get(session.replica) if session.replica else None
+        return model.head_cost() if model is not None else PROPOSE_COST
 
     async def verify(self, session: WorkerSession, committed: list[int], drafts: list[int],
                      sampling: common_pb2.SamplingParams | None = None,

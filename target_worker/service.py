@@ -79,7 +79,7 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
         with metrics.worker_call("target", "VerifyBatch", len(rounds)):
             outcome = await self.thread.run(step_and_observe, self.verifier.verify_batch, rounds, "target", self.store)
         metrics.observe_batch("target", len(rounds), outcome.rows)
-        response = target_pb2.VerifyBatchResponse(step_s=outcome.step_s, rows=outcome.rows)
+        response = target_pb2.VerifyBatchResponse(step_s=outcome.step_s, rows=outcome.rows, draft_s=outcome.draft_s)
         for r, result in zip(request.rounds, outcome.results):
             # Each round is logged under its own request's id (the call carries many).
             logs.request_id.set(r.delta.request_id)

@@ -76,6 +76,7 @@ class BatchOutcome:
     results: list  # per round: Verdict | Resync | the exception that round raised
     step_s: float  # wall time of the whole step
     rows: int  # tokens run through the model (uncached committed + drafts, all sessions)
+    draft_s: float = 0.0  # of step_s, the head drafting the next round's blocks
 
 
 @dataclass(frozen=True)
@@ -203,7 +204,9 @@ class Verifier:
                 results[block.index] = exc
             blocks, scores = [], []
         concluded = [self._conclude(block, score) for block, score in zip(blocks, scores)]
+        drafting = time.perf_counter()
         next_drafts = self._head_drafts(blocks, concluded)
+        draft_s = time.perf_counter() - drafting if any(b.round.draft_next for b in blocks) else 0.0
         for block, verdict, drafts in zip(blocks, concluded, next_drafts):
             results[block.index] = dataclasses.replace(verdict, next_drafts=drafts) if drafts else verdict
         # What each session holds after its step (fed, rolled back, or forgotten on a
@@ -214,7 +217,7 @@ class Verifier:
             self.store.enforce_budget(keep=block.session.session_id)
         step_s = time.perf_counter() - began
         results = [dataclasses.replace(r, compute_s=step_s) if isinstance(r, Verdict) else r for r in results]
-        return BatchOutcome(results, step_s, rows)
+        return BatchOutcome(results, step_s, rows, draft_s)
 
     def held_bytes(self, session: Session) -> int:
         """The bytes `session` keeps allocated on this worker: the target's KV cache

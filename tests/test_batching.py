@@ -379,6 +379,21 @@ def test_asking_the_drafter_costs_more_when_a_whole_step_waits_for_it():
     assert StepCostModel().propose_cost(propose) == PROPOSE_COST  # no step seen yet
 
 
+def test_asking_the_head_on_the_target_costs_its_measured_drafting_time():
+    alone, crowd, all_ask = StepCostModel(), StepCostModel(), StepCostModel()
+    for step in range(40):
+        alone.observe(1, 0.030, 1, 0, 0)
+        alone.observe_head(0.003, 1, 1)
+        crowd.observe(16, 0.050, 16, 0, 0)
+        crowd.observe_head(0.003, 16, 1 if step % 4 == 0 else 0)  # few of 16 requests ask
+        all_ask.observe(32, 0.060, 16, 16, 16)
+        all_ask.observe_head(0.012, 16, 16)
+    assert alone.head_cost() == pytest.approx(0.1, rel=0.05)  # 3 ms of a 30 ms step
+    assert crowd.head_cost() > 0.5  # 16 requests wait 3 ms for the one asking
+    assert all_ask.head_cost() == pytest.approx(0.012 / 0.060, rel=0.1)  # shared by all
+    assert StepCostModel().head_cost() == PROPOSE_COST  # no step seen yet
+
+
 def test_new_requests_start_from_the_drafters_recent_acceptance():
     record = DrafterRecord()
     assert record.start(4).best_k() == 4  # an unknown drafter is trusted at first

@@ -40,20 +40,22 @@ class VerifyBatchRequest(_message.Message):
     def __init__(self, rounds: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ..., step_id: _Optional[int] = ...) -> None: ...
 
 class VerifyBatchResponse(_message.Message):
-    __slots__ = ("results", "step_s", "rows", "step_id", "error_code", "error_message")
+    __slots__ = ("results", "step_s", "rows", "step_id", "error_code", "error_message", "draft_s")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     STEP_S_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_S_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[VerifyResponse]
     step_s: float
     rows: int
     step_id: int
     error_code: int
     error_message: str
-    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResponse, _Mapping]]] = ..., step_s: _Optional[float] = ..., rows: _Optional[int] = ..., step_id: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ...) -> None: ...
+    draft_s: float
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResponse, _Mapping]]] = ..., step_s: _Optional[float] = ..., rows: _Optional[int] = ..., step_id: _Optional[int] = ..., error_code: _Optional[int] = ..., error_message: _Optional[str] = ..., draft_s: _Optional[float] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("accepted", "next_token", "cached_len", "compute_s", "feature_start", "features", "next_drafts", "extra_tokens")
