@@ -4,8 +4,7 @@ another replica), and move a session to another replica when its own fails.
 
 Bounds, so nothing hangs: a call waits at most `timeout_s`; a round tries at most
 `retries + 1` times, sleeping `backoff_s`, 2·backoff_s, … in between (default 0.2 s doubling
-over 5 retries: ~6 s of back-off) and then fails UNAVAILABLE (RESOURCE_EXHAUSTED when every
-replica tried was full). The draft side is impatient by
+over 5 retries: ~6 s of back-off) and then fails UNAVAILABLE. The draft side is impatient by
 design: if no draft replica can answer at once, the round goes on with the target alone.
 A target round a replica holds past the tail of the pool's latencies may also be sent to a
 second replica, the first answer winning (coordinator.hedging).
@@ -28,7 +27,7 @@ from coordinator.pool import EjectionPolicy, Replica, WorkerPool, resolve_dns
 from coordinator.scheduler import RoundFailed, StepBatcher
 from coordinator.step_stream import StepStream, StreamUnsupported, rpc_error
 from specdec import metrics
-from specdec.errors import DeadlineExceeded, FailedPrecondition, ResourceExhausted, Unavailable
+from specdec.errors import DeadlineExceeded, FailedPrecondition, Unavailable
 from specdec.logs import REQUEST_ID_KEY
 from specdec.serving import MIN_PING_INTERVAL_S
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -42,12 +41,8 @@ TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 # suspect, so the session is released there and rebuilt from scratch, on another replica
 # when there is one (the coordinator owns the committed tokens; a worker's cache is only an
 # optimisation, rebuilt from them).
-REPLICA_FAULT = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
-# A replica too full for the round right now (its KV pool, its session slots): the worker
-# refused the round alone and changed nothing, so the round is retried after the back-off,
-# there or on another replica, with the session as it is; a busy replica is healthy and
-# does not count toward its ejection.
-BUSY = {grpc.StatusCode.RESOURCE_EXHAUSTED}
+REPLICA_FAULT = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 grpc.StatusCode.DATA_LOSS}
 # A worker asking for a resync twice in a row for the same call is broken, not restarted.
 MAX_RESYNCS_PER_CALL = 2
 # Releases run in the background, queued behind the worker's rounds: give them time.
@@ -430,7 +425,6 @@ class WorkerClient:
         loop = asyncio.get_running_loop()
         began = loop.time()
         attempt = resyncs = 0
-        busy = False  # the last attempt's replica was too full for the round
         start = min(session.sent, len(committed) - 1)
         last_error = "no replica is healthy"
         hedges = session.hedges  # a round is hedged at most once, whatever its attempts
@@ -452,11 +446,7 @@ class WorkerClient:
                     if session.deadline is not None and loop.time() >= session.deadline:
                         # The client's deadline ran out, not the replica: leave it in the pool.
                         raise DeadlineExceeded(f"deadline exceeded during a {self.kind} round") from exc
-                    busy = exc.code() in BUSY
-                    if busy:
-                        log.info("%s replica busy (%s): session %s retries its round", self.kind, last_error,
-                                 session.session_id)
-                    elif exc.code() in REPLICA_FAULT:
+                    if exc.code() in REPLICA_FAULT:
                         log.warning("%s replica fault (%s): session %s restarts from scratch", self.kind, last_error,
                                     session.session_id)
                         await self._release_on(replica, session.session_id)
@@ -466,8 +456,7 @@ class WorkerClient:
                         # two disagree (versions, limits), not that the client erred.
                         raise FailedPrecondition(f"{self.kind} worker {replica.address} refused a round: "
                                                  f"{exc.code().name}: {exc.details()}") from exc
-                    if not busy:
-                        self.pool.mark_failed(replica.address)
+                    self.pool.mark_failed(replica.address)
                 else:
                     self.pool.succeeded(replica.address)
                     session.wire_bytes += request.ByteSize() + response.ByteSize()
@@ -484,8 +473,6 @@ class WorkerClient:
                     self.round_times.observe(loop.time() - began)
                     return getattr(response, kind)
             if attempt >= (self.retries if self.patient else 1) or (replica is None and not self.patient):
-                if busy and replica is not None:
-                    raise ResourceExhausted(f"{self.kind} workers too busy after {attempt + 1} attempts ({last_error})")
                 raise Unavailable(f"{self.kind} workers unavailable after {attempt + 1} attempts ({last_error})")
             await asyncio.sleep(self.backoff_s * (2 ** attempt))
             attempt += 1
@@ -617,7 +604,7 @@ class WorkerClient:
         if session.deadline is not None and asyncio.get_running_loop().time() >= session.deadline:
             return
         code = exc.code() if isinstance(exc, (grpc.aio.AioRpcError, RoundFailed)) else None
-        if code in TRANSIENT or code in REPLICA_FAULT:  # not BUSY: a full replica is healthy
+        if code in TRANSIENT or code in REPLICA_FAULT:
             self.pool.mark_failed(replica.address)
 
     def _release_loser(self, call: asyncio.Future, address: str, session: WorkerSession) -> None:

@@ -162,34 +162,6 @@ def target_block_bytes(model) -> int:
     return block_bytes(KVShape.of(model.config), DEFAULT_BLOCK_SIZE, next(model.parameters()).dtype)
 
 
-def test_a_full_pool_refuses_the_request_without_failing_the_replica(target, tokenizer):
-    # A prompt bigger than the whole pool: the worker refuses each try of its round alone
-    # (RESOURCE_EXHAUSTED, pool unchanged), the coordinator retries it and then tells the
-    # client RESOURCE_EXHAUSTED — and never takes the busy replica out: the next request is
-    # served at once.
-    import grpc
-
-    options = {**PAGED, "max_cache_bytes": 8 * target_block_bytes(target)}  # 7 usable blocks
-    short, long = PROMPTS[0], " ".join(PROMPTS * 3)  # 228 tokens: within the context, not the pool
-    assert len(chat_ids(tokenizer, long)) > 7 * 16
-
-    async def scenario():
-        async with running_stack(target, tokenizer, target_options=options, worker_retries=2) as stack:
-            pool = stack.coordinator_servicer.runner.target.pool
-            async with Client(stack.address) as client:
-                with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await client.complete(make_request(long, max_new_tokens=4))
-                replica = next(iter(pool.replicas.values()))
-                state = (replica.healthy, replica.failures, replica.ejected)
-                served = await client.complete(make_request(short, max_new_tokens=MAX_NEW))
-            return refused.value, state, served
-
-    error, (healthy, failures, ejected), served = run(scenario())
-    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "busy" in error.details()
-    assert healthy and failures == 0 and not ejected
-    assert list(served.token_ids) == expected(target, tokenizer, short)
-
-
 def test_a_head_with_many_sessions_on_the_pool_stays_exact(target, tokenizer):
     # Sixteen requests at once with a head proposing alternatives: a new session's prompt
     # (more tokens than a tree step holds per session) joins steps whose other sessions
