@@ -196,7 +196,11 @@ class StepCostModel:
     it computes, with a cost per session (its attention, its cache) on top (step timings in
     benchmarks/results/NOTES.md). With B rounds in the usual (median) step,
     `draft_token_cost()` = B·t_draft / t(usual) in units of a step: every request in the step
-    waits t_draft longer for each draft token; never below DRAFT_TOKEN_COST. The fit runs
+    waits t_draft longer for each draft token; never below DRAFT_TOKEN_COST. A head on the
+    target worker drafts inside the step: its time is taken out before the fit (`head_s`)
+    and priced on its own (`head_cost`) — steps that verify drafts are mostly steps whose
+    rounds ask for the next ones, so left in, the head's time would be fitted as the draft
+    rows' and paid twice; it is added back to t(usual) as its mean per step. The fit runs
     when a figure is read, at most once per step observed: `observe` is on every step's path,
     and with speculation off nothing reads the figures."""
 
@@ -212,14 +216,22 @@ class StepCostModel:
         # decayed share of a step's rounds that asked.
         self.head = RoundTimes()
         self.head_asking = 0.0
+        self.head_per_step = 0.0  # decayed mean of the head's drafting time per decode step
 
-    def observe(self, rows: int, seconds: float, rounds: int, drafts: int = 0, drafting: int = 0) -> None:
-        """A step: its rows, duration, rounds, draft rows and rounds with drafts."""
+    def observe(self, rows: int, seconds: float, rounds: int, drafts: int = 0, drafting: int = 0,
+                head_s: float = 0.0) -> None:
+        """A step: its rows, duration, rounds, draft rows, rounds with drafts, and the part
+        of its duration a head on the worker spent drafting the next rounds."""
         if rows <= 0 or seconds <= 0 or rounds <= 0 or rows - drafts > DECODE_ROWS_PER_ROUND * rounds:
             return
         share = drafting / rounds
-        self.drafting = share if not self.steps else STEP_DECAY * self.drafting + (1 - STEP_DECAY) * share
-        self.steps.append((rounds, drafts, seconds))
+        head_s = min(max(0.0, head_s), seconds)
+        if not self.steps:
+            self.drafting, self.head_per_step = share, head_s
+        else:
+            self.drafting = STEP_DECAY * self.drafting + (1 - STEP_DECAY) * share
+            self.head_per_step = STEP_DECAY * self.head_per_step + (1 - STEP_DECAY) * head_s
+        self.steps.append((rounds, drafts, seconds - head_s))
         self._stale = True
 
     def observe_head(self, seconds: float, rounds: int, asking: int) -> None:
@@ -246,13 +258,13 @@ class StepCostModel:
         usual = sorted(self.steps)[len(self.steps) // 2]
         self.rounds, self.drafts = float(usual[0]), float(usual[1])
         base, per_draft = self.fit()
-        self._step_s = base
-        cost = self.rounds * per_draft / base if base > 0 else MAX_DRAFT_TOKEN_COST
+        self._step_s = base + self.head_per_step
+        cost = self.rounds * per_draft / self._step_s if self._step_s > 0 else MAX_DRAFT_TOKEN_COST
         self._cost = min(MAX_DRAFT_TOKEN_COST, max(DRAFT_TOKEN_COST, cost))
 
     def fit(self) -> tuple[float, float]:
-        """(t(usual step), t_draft) in seconds; (1, DRAFT_TOKEN_COST) in units of a step
-        before any step."""
+        """(t(usual step) without the head's drafting, t_draft) in seconds; (1,
+        DRAFT_TOKEN_COST) in units of a step before any step."""
         if not self.steps:
             return 1.0, DRAFT_TOKEN_COST
         data = np.array(self.steps, dtype=np.float64)[::-1]  # newest first

@@ -714,7 +714,7 @@ class TargetClient(WorkerClient):
         drafts = sum(len(r.draft_tokens) for r in requests)
         drafting = sum(1 for r in requests if r.draft_tokens)
         model = self.costs.setdefault(address, StepCostModel())
-        model.observe(response.rows, response.step_s, len(requests), drafts, drafting)
+        model.observe(response.rows, response.step_s, len(requests), drafts, drafting, response.draft_s)
         model.observe_head(response.draft_s, len(requests), sum(1 for r in requests if r.draft_next))
 
     @staticmethod

@@ -394,6 +394,30 @@ def test_asking_the_head_on_the_target_costs_its_measured_drafting_time():
     assert StepCostModel().head_cost() == PROPOSE_COST  # no step seen yet
 
 
+def test_the_heads_drafting_time_is_not_fitted_as_the_draft_rows_cost():
+    # 16 rounds; steps that verify d draft rows cost 100 ms + 1 ms per draft row to verify,
+    # and their rounds asked the head for the next drafts, which took 2 ms per draft row.
+    plain, with_head = StepCostModel(), StepCostModel()
+    for step in range(60):
+        drafts = (step % 5) * 8
+        head_s = 0.002 * drafts
+        plain.observe(16 + drafts, 0.100 + 0.001 * drafts, 16, drafts, drafts // 2)
+        with_head.observe(16 + drafts, 0.100 + 0.001 * drafts + head_s, 16, drafts, drafts // 2, head_s)
+        with_head.observe_head(head_s, 16, drafts // 2)
+    base, per_draft = with_head.fit()
+    assert per_draft == pytest.approx(0.001, rel=0.1)  # the verification's slope alone
+    assert base == pytest.approx(plain.fit()[0], rel=0.02)
+    # The usual step still lasts what the head adds to it, on the mean.
+    assert with_head.step_s == pytest.approx(plain.step_s + with_head.head_per_step, rel=0.01)
+    assert with_head.draft_token_cost() < plain.draft_token_cost() * 1.01
+    # Left in, the head's time would have tripled the draft rows' price.
+    double = StepCostModel()
+    for step in range(60):
+        drafts = (step % 5) * 8
+        double.observe(16 + drafts, 0.100 + 0.003 * drafts, 16, drafts, drafts // 2)
+    assert double.draft_token_cost() > 2.5 * with_head.draft_token_cost()
+
+
 def test_new_requests_start_from_the_drafters_recent_acceptance():
     record = DrafterRecord()
     assert record.start(4).best_k() == 4  # an unknown drafter is trusted at first
