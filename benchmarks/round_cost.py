@@ -3,6 +3,7 @@ target worker's step, measured with a model whose step is about a millisecond, s
 cost is not hidden inside a long step (on a GPU an 8B step takes 3–8 ms).
 
     python benchmarks/round_cost.py                 # tiny random target, batch 1 and 16, ~2 min
+    python benchmarks/round_cost.py --baseline /tmp/base   # also another checkout's coordinator
 
 Side by side in one run, speculation off (one token per round, so a round is one step):
 
@@ -16,6 +17,9 @@ Side by side in one run, speculation off (one token per round, so a round is one
   `--no-worker-streams`, which sends each step as a unary VerifyBatch call.
 - **up (mTLS)**: `specdec up` — coordinator and target worker in one process, the worker
   links on mutual TLS — the same clients.
+- **services (baseline)**, with `--baseline DIR`: a coordinator run from another checkout
+  (e.g. `git worktree add /tmp/base HEAD~1`) before the same workers, so a coordinator
+  change is measured before/after in one run ("baseline / services" in the report).
 
 Per configuration: milliseconds per round after the first token (a client's time from its
 first token to its last / its rounds after the first; the worker loop: per step), tokens/s
@@ -37,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.soak import ServiceProcess, free_port  # noqa: E402
+from benchmarks.soak import REPO, ServiceProcess, free_port  # noqa: E402
 from specdec.bench.machine import describe  # noqa: E402
 from specdec.bench.services import SpecdecUp  # noqa: E402
 from specdec.client import Client, make_request  # noqa: E402
@@ -96,12 +100,14 @@ async def through(address: str, batch: int, rounds: int) -> dict:
             "tokens_per_s": sum(r[1] for r in results) / wall}
 
 
-def start_services(model_dir: str, threads: int, workdir: Path) -> dict[str, ServiceProcess]:
+def start_services(model_dir: str, threads: int, workdir: Path, baseline: Path | None = None) -> dict[str, ServiceProcess]:
     """The two workers, and two coordinators in front of them: one sending steps on worker
-    streams, one ("coordinator-unary") as unary calls."""
+    streams, one ("coordinator-unary") as unary calls; with `baseline`, a third
+    ("coordinator-baseline") run from that source tree."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    ports = {name: free_port() for name in ("target", "draft", "coordinator", "coordinator-unary")}
+    names = ("target", "draft", "coordinator", "coordinator-unary") + (("coordinator-baseline",) if baseline else ())
+    ports = {name: free_port() for name in names}
     common = ["--host", "127.0.0.1", "--grace-period", "1"]
     links = ["--target-addr", f"127.0.0.1:{ports['target']}", "--draft-addr", f"127.0.0.1:{ports['draft']}",
              "--tokenizer", model_dir, "--rate-limit", "0", "--http-port", "0"]
@@ -112,7 +118,11 @@ def start_services(model_dir: str, threads: int, workdir: Path) -> dict[str, Ser
         "coordinator-unary": ["serve", "coordinator", "--port", str(ports["coordinator-unary"]), *common, *links,
                               "--no-worker-streams"],
     }
-    services = {name: ServiceProcess(name, ports[name], argvs[name], workdir / f"{name}.log", env) for name in argvs}
+    if baseline is not None:
+        argvs["coordinator-baseline"] = ["serve", "coordinator", "--port", str(ports["coordinator-baseline"]),
+                                         *common, *links]
+    services = {name: ServiceProcess(name, ports[name], argvs[name], workdir / f"{name}.log", env,
+                                     cwd=baseline if name == "coordinator-baseline" else REPO) for name in argvs}
     for service in services.values():
         service.spawn()
     for service in services.values():
@@ -127,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=64, help="tokens (rounds) per session")
     parser.add_argument("--repeats", type=int, default=3, help="alternating repeats of each configuration")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every process")
+    parser.add_argument("--baseline", default=None,
+                        help="another checkout whose coordinator also runs before the same workers")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default="round-cost", help="file name of the record, without .json / .md")
     args = parser.parse_args(argv)
@@ -141,20 +153,23 @@ def main(argv: list[str] | None = None) -> int:
                                                                             max_positions=512), tokenizer))
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    services = start_services(model_dir, args.threads, workdir)
+    baseline = Path(args.baseline).resolve() if args.baseline else None
+    modes = MODES + (("services (baseline)",) if baseline else ())
+    services = start_services(model_dir, args.threads, workdir, baseline)
     up = SpecdecUp(model_dir, "ngram", 4, args.threads, loop, extra_args=["--rate-limit", "0"])
     runs: list[dict] = []
     try:
         for batch in batches:
             for repeat in range(args.repeats):
-                order = list(MODES)
+                order = list(modes)
                 if repeat % 2:
                     order.reverse()
                 for mode in order:
                     if mode == "worker loop":
                         run = worker_loop(model_dir, batch, args.rounds, args.threads)
-                    elif mode in ("services", "services (unary)"):
-                        coordinator = services["coordinator" if mode == "services" else "coordinator-unary"]
+                    elif mode.startswith("services"):
+                        coordinator = services[{"services": "coordinator", "services (unary)": "coordinator-unary",
+                                                "services (baseline)": "coordinator-baseline"}[mode]]
                         run = loop.run_until_complete(through(f"127.0.0.1:{coordinator.port}", batch, args.rounds))
                     else:
                         run = loop.run_until_complete(through(up.address, batch, args.rounds))
@@ -170,12 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     for batch in batches:
         row = {mode: {key: statistics.median(r[key] for r in runs if r["batch"] == batch and r["mode"] == mode)
                       for key in ("ms_per_round", "tokens_per_s")}
-               for mode in MODES}
-        for mode in MODES[1:]:
+               for mode in modes}
+        for mode in modes[1:]:
             row[mode]["split_ms_per_round"] = row[mode]["ms_per_round"] - row["worker loop"]["ms_per_round"]
             row[mode]["vs_worker_loop"] = row[mode]["tokens_per_s"] / row["worker loop"]["tokens_per_s"]
         row["services"]["vs_unary_split"] = (row["services"]["split_ms_per_round"]
                                              / row["services (unary)"]["split_ms_per_round"])
+        if baseline is not None:
+            row["services"]["vs_baseline_split"] = (row["services"]["split_ms_per_round"]
+                                                    / row["services (baseline)"]["split_ms_per_round"])
         summary[str(batch)] = row
     report = {"command": "python benchmarks/round_cost.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "machine": describe(args.threads), "config": vars(args) | {"model_dir": model_dir},
@@ -197,6 +215,14 @@ def main(argv: list[str] | None = None) -> int:
                      f"{row['services (unary)']['ms_per_round']:.2f} | "
                      f"{row['services (unary)']['split_ms_per_round']:+.2f} | {row['up (mTLS)']['ms_per_round']:.2f} | "
                      f"{row['up (mTLS)']['split_ms_per_round']:+.2f} | {row['services']['vs_worker_loop']:.2f} |")
+    if baseline is not None:
+        lines += ["", f"Baseline: a coordinator run from `{baseline}` before the same workers, steps on streams.", "",
+                  "| B | services (baseline) ms/round | split ms/round | services split ms/round | split, this / baseline |",
+                  "| --- | --- | --- | --- | --- |"]
+        for batch, row in summary.items():
+            base = row["services (baseline)"]
+            lines.append(f"| {batch} | {base['ms_per_round']:.2f} | {base['split_ms_per_round']:+.2f} | "
+                         f"{row['services']['split_ms_per_round']:+.2f} | {row['services']['vs_baseline_split']:.2f} |")
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print(json.dumps(summary, indent=2))
     return 0

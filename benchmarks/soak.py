@@ -127,13 +127,14 @@ class ServiceProcess:
     peak_rss_kib: int = 0
     expected_exit: bool = False
     host: str = "127.0.0.1"  # where it serves (a loopback address)
+    cwd: Path = REPO  # the source tree it runs (`python -m specdec` imports from here first)
 
     def spawn(self, warm: bool = False) -> None:
         log = open(self.log_path, "ab")
         command = [sys.executable, "-c", WARM_START] if warm else [sys.executable, "-m", "specdec"]
         self.process = subprocess.Popen([*command, *self.argv], stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.PIPE if warm else subprocess.DEVNULL, env=self.env,
-                                        cwd=REPO)
+                                        cwd=self.cwd)
         log.close()
 
     def go(self) -> None:

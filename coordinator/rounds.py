@@ -135,20 +135,42 @@ class RoundRunner:
         self.drafter_record = DrafterRecord()
 
     async def run(self, plan: GenerationPlan) -> AsyncIterator[coordinator_pb2.GenerateResponse]:
-        """Yields one response per round with new tokens; the last carries finish and stats."""
+        """Yields one response per round with new tokens; the last carries finish and stats.
+
+        The next round is queued before this round's response goes to the client: what a
+        round sends depends on the committed tokens alone (and, for stop strings, on their
+        text, taken before), never on the client having received them. So writing to the
+        client — and everything between a step's answer and the client's stream — runs
+        while the next step is gathered, sent and computed, and under load a step no longer
+        waits for every request's write before it can leave (the split's cost per round:
+        benchmarks/round_cost.py). A request runs at most one round ahead of its client."""
         gen = self._start(plan)
+        ahead: asyncio.Task | None = None
         try:
             while not gen.done:
-                drafts, asked, draft_next = await self._draft(gen)
-                verdict = await self._verify(gen, drafts, draft_next)
+                if ahead is None:
+                    drafts, asked, verdict = await self._round(gen)
+                else:
+                    drafts, asked, verdict = await ahead
+                    ahead = None
                 self._record(gen, drafts, verdict, asked)
                 new = self._commit(gen, drafts, verdict)
                 text, new = self._stream(gen, new)
                 self._observe(gen, drafts, verdict, new)
-                yield self._response(gen, new, text)
+                response = self._response(gen, new, text)
+                if not gen.done:
+                    ahead = asyncio.get_running_loop().create_task(self._round(gen))
+                yield response
         finally:
+            if ahead is not None:
+                ahead.cancel()  # the client is gone or the request failed: its round goes too
             self.target.finished(gen.target)  # no step waits for its next round
-            self._release_later(gen.target, gen.draft if gen.use_draft else None)
+            self._release_later(gen.target, gen.draft if gen.use_draft else None, ahead)
+
+    async def _round(self, gen: Generation) -> tuple[list[int], tuple[int, bool] | None, target_pb2.Verdict]:
+        """One round: its drafts, the controller's (k, probing) they answer, the verdict."""
+        drafts, asked, draft_next = await self._draft(gen)
+        return drafts, asked, await self._verify(gen, drafts, draft_next)
 
     def _start(self, plan: GenerationPlan) -> Generation:
         base = uuid.uuid4().hex
@@ -335,9 +357,17 @@ class RoundRunner:
                 return drafts[:i]
         return drafts
 
-    def _release_later(self, target_session: WorkerSession, draft_session: WorkerSession | None) -> None:
-        """Frees worker sessions without blocking (or being cancelled with) the request."""
+    def _release_later(self, target_session: WorkerSession, draft_session: WorkerSession | None,
+                       ahead: asyncio.Task | None = None) -> None:
+        """Frees worker sessions without blocking (or being cancelled with) the request;
+        after `ahead`, the request's round cancelled with it, has ended (its queued round
+        left the queue, or the step carrying it is in flight and is waited for), so no
+        Release overtakes it."""
         async def release() -> None:
+            if ahead is not None:
+                await asyncio.wait({ahead})  # neither raises its error nor cancels it
+                if not ahead.cancelled():
+                    ahead.exception()  # retrieved: a round nobody awaits any more may have failed
             await self.target.release(target_session)
             if draft_session is not None and self.draft is not None:
                 await self.draft.release(draft_session)

@@ -4,6 +4,7 @@ share a tokenizer, then serve Generate."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
@@ -91,13 +92,17 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             log.info("request admitted: %d prompt tokens, max_new_tokens %d, k %d, %s", len(prompt_ids),
                      plan.max_new_tokens, plan.k, "greedy" if plan.sampling.greedy else "sampling")
             metrics.vllm.prompt_tokens.inc(len(prompt_ids))
-            async for response in self.runner.run(plan):
-                if response.finish_reason:
-                    log.info("request finished: %s, %d tokens, %d rounds, acceptance %.2f",
-                             coordinator_pb2.FinishReason.Name(response.finish_reason),
-                             response.stats.generated_tokens, response.stats.rounds, response.stats.acceptance_rate)
-                    metrics.vllm.finished(response.finish_reason, time.perf_counter() - began)
-                yield response
+            # Closed here, not when collected: a request that ends at a yield (its client
+            # gone) frees its worker sessions and cancels its round ahead at once.
+            async with contextlib.aclosing(self.runner.run(plan)) as responses:
+                async for response in responses:
+                    if response.finish_reason:
+                        log.info("request finished: %s, %d tokens, %d rounds, acceptance %.2f",
+                                 coordinator_pb2.FinishReason.Name(response.finish_reason),
+                                 response.stats.generated_tokens, response.stats.rounds,
+                                 response.stats.acceptance_rate)
+                        metrics.vllm.finished(response.finish_reason, time.perf_counter() - began)
+                    yield response
         except SpecdecError as exc:
             status = exc.code.name
             raise

@@ -335,6 +335,39 @@ def test_cancelled_request_frees_worker_sessions(target, other_draft, tokenizer)
     assert after == (0, 0)
 
 
+def test_next_round_is_verified_before_the_client_takes_the_last_answer(target, tokenizer):
+    # The coordinator queues a request's next round before handing the client this round's
+    # answer, so the step carrying it runs while the answer is still being delivered; a
+    # client that goes away then takes that round with it, and its sessions are freed.
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=NGRAM) as stack:
+            verifier = stack.target_servicer.verifier
+            steps = [0]
+            verify_batch = verifier.verify_batch
+
+            def counted(*args):
+                outcome = verify_batch(*args)
+                steps[0] += 1
+                return outcome
+
+            verifier.verify_batch = counted
+            responses = stack.coordinator_servicer.generate(make_request(PROMPTS[0], max_new_tokens=MAX_NEW), "c")
+            first = await responses.__anext__()
+            before = steps[0]  # the generator is suspended here: nothing ran since it yielded
+            deadline = asyncio.get_running_loop().time() + 10
+            while steps[0] == before and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)  # the next answer is not asked for
+            after = steps[0]
+            await responses.aclose()
+            await stack.coordinator_servicer.runner.drain()
+            return first, after > before, len(stack.target_servicer.store)
+
+    first, ran_ahead, held = run(scenario())
+    assert first.token_ids and not first.finish_reason
+    assert ran_ahead
+    assert held == 0
+
+
 def test_finished_request_frees_worker_sessions(target, other_draft, tokenizer):
     async def scenario():
         async with running_stack(target, tokenizer, draft=other_draft) as stack:
