@@ -12,6 +12,12 @@ each B; also counts how many drafts equal the alone drafts (they differ only whe
 rounding flips a near-tie).
 
     python benchmarks/head_batch.py [--head smollm2-135m-eagle90] [--batches 1,4,16,64] [--json out.json]
+    python benchmarks/head_batch.py --kernels       # the served head's kernels instead
+
+--kernels compares, drafting together over buffered caches, the head as the workers serve
+it (each linear's kernel per row count timed at load, specdec.eagle.cpu) with the same head
+packed in bfloat16 and in fp32 at every row count, and with the plain fp32 head; ratios are
+over packed bfloat16, what was served before the kernels were timed.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ def main(argv=None) -> int:
     parser.add_argument("--k", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--kernels", action="store_true", help="compare the served head's kernels instead")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -75,6 +82,8 @@ def main(argv=None) -> int:
         return statistics.median(times[1:]), drafts  # the first round takes in the whole prompt
 
     policy = dict(min_chain_prob=0.0, lookup_ngram=0)  # every session drafts k: the cost of a full block
+    if args.kernels:
+        return compare_kernels(args, plain, served, batches, rounds, policy)
     result = {"head": args.head, "threads": args.threads, "k": args.k, "context": CONTEXT, "batches": {}}
     print(f"{args.head}, k = {args.k}, context {CONTEXT}, {args.threads} threads: ms per round "
           "(ratios: over drafting alone)")
@@ -109,6 +118,38 @@ def main(argv=None) -> int:
                                     "same_drafts": same, "drafts": total}
         print(f"{batch:>4} {ms['alone']:>8.2f} {ms['buffered']:>9.2f} {ms['paged']:>8.2f} "
               f"{ms['buffered'] / ms['alone']:>10.3f} {ms['paged'] / ms['alone']:>12.3f} {same:>6}/{total}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def compare_kernels(args, plain, served, batches, rounds, policy) -> int:
+    from specdec import eagle
+    from specdec.eagle.batched import BatchedDrafter, BufferedHead
+    from specdec.eagle.policy import EagleDrafter
+    from specdec.sessions import Session
+
+    heads = {"served": served, "packed bf16": eagle.fast_cpu_head(plain, torch.bfloat16),
+             "packed fp32": eagle.fast_cpu_head(plain, torch.float32), "plain fp32": plain}
+    result = {"head": args.head, "threads": args.threads, "k": args.k, "context": CONTEXT, "kernels": {},
+              "choice": {name: list(m.choice) for name, m in served.named_modules() if hasattr(m, "choice")}}
+    print(f"{args.head}, k = {args.k}, context {CONTEXT}, {args.threads} threads: ms per round, all sessions "
+          "drafted together (ratios: over packed bf16)")
+    print(f"{'B':>4} " + " ".join(f"{name:>12}" for name in heads) + f" {'served/bf16':>12} {'fp32/bf16':>10}")
+    for batch in batches:
+        samples: dict[str, list[float]] = {name: [] for name in heads}
+        for repeat in range(3):  # interleaved repeats, fresh sessions each
+            for name, head in heads.items():
+                way = BatchedDrafter(EagleDrafter(name, head, **policy), BufferedHead(head))
+                sessions = [Session(f"{name}{s}") for s in range(batch)]
+                t, _ = rounds(way.propose_tree, batch, sessions)
+                samples[name].append(t)
+        ms = {name: statistics.median(v) * 1e3 for name, v in samples.items()}
+        result["kernels"][batch] = {**{f"{name}_ms": v for name, v in ms.items()},
+                                    "served_over_bf16": ms["served"] / ms["packed bf16"],
+                                    "fp32_over_bf16": ms["packed fp32"] / ms["packed bf16"]}
+        print(f"{batch:>4} " + " ".join(f"{v:>12.2f}" for v in ms.values())
+              + f" {ms['served'] / ms['packed bf16']:>12.3f} {ms['packed fp32'] / ms['packed bf16']:>10.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0

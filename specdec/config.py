@@ -68,8 +68,9 @@ class WorkerConfig:
     """Most rounds (sessions) one VerifyBatch / ProposeBatch call may carry."""
     cpu_fast_path: bool = True
     """On CPU, serve a copy of the model with oneDNN-packed linears, grouped-query attention
-    inside SDPA and buffered KV caches (specdec.runtime.cpu); a feature-level head gets packed
-    bfloat16 weights (specdec.eagle.fast_cpu_head); no effect on other devices."""
+    inside SDPA and buffered KV caches (specdec.runtime.cpu); a feature-level head gets, per
+    linear and row count, the kernel timed fastest at load (stock fp32, packed fp32 or packed
+    bfloat16: specdec.eagle.fast_cpu_head); no effect on other devices."""
     head: str | None = None
     """Target only: a feature-level draft head (directory or built-in name) to run next to
     the target, drafting in the same step as each verification (target_worker.head)."""

@@ -181,6 +181,62 @@ def test_the_chain_stops_where_the_heads_confidence_in_it_runs_out():
         assert drafter.propose(store.sync(f"cut{cut}", 0, context), 6, features) == full[:cut]
 
 
+def test_served_head_kernels_are_timed_per_row_count():
+    from specdec.eagle.cpu import TIMED_ROWS, ChosenHeadLinear, choose_kernels
+
+    ran: list[tuple[str, int]] = []
+
+    def kernel(name):
+        def run(x):
+            ran.append((name, x.shape[0]))
+            return x
+        return run
+
+    kernels = {"stock": kernel("stock"), "fp32": kernel("fp32"), "bf16": kernel("bf16")}
+    # bf16 fastest at one row, fp32 from 4 rows on; a 3% lead is within the margin: stock.
+    costs = {"stock": lambda r: 1.0 * r, "fp32": lambda r: 0.97 * r if r < 4 else 0.5 * r,
+             "bf16": lambda r: 0.5 if r == 1 else 2.0 * r}
+
+    def timer(call):
+        call()
+        name, rows = ran[-1]
+        return costs[name](rows)
+
+    choice = choose_kernels(kernels, 8, timer)
+    assert choice == ("bf16", "stock", "stock") + ("fp32",) * (len(TIMED_ROWS) - 3)
+    linear = ChosenHeadLinear(torch.zeros(4, 8), kernels, choice)
+    assert set(linear.kernels) == {"bf16", "stock", "fp32"}
+    ran.clear()
+    for rows in (1, 2, 3, 4, 5, 1000):
+        linear(torch.zeros(rows, 8))
+    assert [name for name, _ in ran] == ["bf16", "stock", "stock", "fp32", "fp32", "fp32"]
+
+
+@AUX
+def test_the_served_head_with_fp32_kernels_computes_what_the_plain_head_does(aux_layers):
+    if eagle.fast_cpu_dtype() is None:
+        pytest.skip("this torch has no oneDNN")
+    head = small_head(6, aux_layers)
+    tokens = torch.randint(0, 50, (40,)).tolist()
+    features = torch.randn(40, head.config.feature_size)
+    plain_out = head.extend(eagle.HeadCache(2, 8, torch.float32), features, tokens)
+    from specdec.eagle.cpu import PackedHeadLinear
+
+    def packed_fp32_fastest(call):  # the kernel a timed call runs is its default argument
+        kernel = call.__defaults__[0]
+        return 0.0 if isinstance(kernel, PackedHeadLinear) and kernel.dtype == torch.float32 else 1.0
+
+    for timer, kernel in ((lambda call: 0.0, "stock"), (packed_fp32_fastest, "fp32")):
+        served = eagle.fast_cpu_head(head, timer=timer)
+        assert {name for m in served.modules() for name in getattr(m, "choice", ())} == {kernel}
+        for fed in (1, 3, 40):  # one-row, few-row and many-row passes
+            cache = eagle.HeadCache(2, 8, torch.float32)
+            out = torch.cat([served.extend(cache, features[i:i + fed], tokens[i:i + fed])
+                             for i in range(0, 40, fed)])
+            torch.testing.assert_close(out, plain_out, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(served.logits(plain_out), head.logits(plain_out), atol=1e-3, rtol=1e-4)
+
+
 @AUX
 def test_the_packed_head_computes_what_the_plain_head_does(aux_layers):
     head = small_head(5, aux_layers)

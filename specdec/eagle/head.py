@@ -171,7 +171,7 @@ class EagleHead(torch.nn.Module):
         self.register_buffer("head", head, persistent=False)
         self.register_buffer("draft_vocab", draft_vocab.long(), persistent=False)
         self.register_buffer("inv_freq", inverse_frequencies(d, config.rope_theta), persistent=False)
-        self.lm_head: torch.nn.Module | None = None  # the serving copy's packed `head` (fast_cpu_head)
+        self.lm_head: torch.nn.Module | None = None  # the CPU serving copy's `head` (fast_cpu_head)
 
     # -- pieces shared by training and serving -------------------------------------------
 
@@ -206,8 +206,8 @@ class EagleHead(torch.nn.Module):
 
     def logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., Vd] float32 over the draft vocabulary (specdec.runtime.precision;
-        the packed CPU serving copy's `lm_head` projects with its own packed weights, bfloat16
-        where the CPU has it, float32 out: specdec.eagle.cpu)."""
+        the CPU serving copy's `lm_head` projects with the kernel chosen for it at load,
+        float32 out: specdec.eagle.cpu)."""
         if self.lm_head is not None:
             return self.lm_head(predicted)
         return fp32_logits(predicted, self.head)
