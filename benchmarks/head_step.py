@@ -2,8 +2,8 @@
 
 1. Step cost: one head step (1 position on a cache of 200, then draft-vocabulary logits and
    argmax, as the draft worker runs it) for the head as loaded (fp32, stock linears) and as
-   served on CPU (specdec.eagle.fast_cpu_head: packed oneDNN weights, fp32 and bfloat16),
-   interleaved, against a target step on the target worker's serving path: c = head / target.
+   packed on CPU (specdec.eagle.fast_cpu_head: oneDNN weights, fp32 and bfloat16) and as
+   served (each linear's kernel per row count timed at load), interleaved, against a target step on the target worker's serving path: c = head / target.
 2. Agreement of the served head's greedy chains with the fp32 head's, on held-out teacher
    data (bfloat16 rounds activations: a draft can flip at a near-tie).
 3. Calibration and block policies, on the held-out teacher data of a `specdec distill --kind
