@@ -43,6 +43,9 @@ TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 # optimisation, rebuilt from them).
 REPLICA_FAULT = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED,
                  grpc.StatusCode.DATA_LOSS}
+# A whole step failing so is the replica's failure whoever's rounds it carried; a step past
+# its deadline may be the clients' deadlines, which its rounds tell apart.
+STEP_FAULT = (TRANSIENT | REPLICA_FAULT) - {grpc.StatusCode.DEADLINE_EXCEEDED}
 # A worker asking for a resync twice in a row for the same call is broken, not restarted.
 MAX_RESYNCS_PER_CALL = 2
 # Releases run in the background, queued behind the worker's rounds: give them time.
@@ -234,7 +237,16 @@ class WorkerClient:
                 if current is None or current.ejected:  # rounds queued before it went: elsewhere
                     raise rpc_error(grpc.StatusCode.UNAVAILABLE,
                                     f"replica {address} " + ("is ejected" if current else "left the pool"))
-                return await self._send_step(current, requests, timeout_s)
+                try:
+                    return await self._send_step(current, requests, timeout_s)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() in STEP_FAULT:
+                        # Counted before the batcher sends its next step here, not when this
+                        # step's rounds wake: a failure that ejects the replica keeps the
+                        # steps queued behind it from being sent. Its rounds' own counting
+                        # of it is then a no-op (WorkerPool.mark_failed).
+                        self.pool.mark_failed(address)
+                    raise
 
             batcher = self._batchers[address] = StepBatcher(
                 self.kind, send, self.step_token_budget, self.max_batch_rounds,

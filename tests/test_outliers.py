@@ -191,7 +191,8 @@ class Fault:
     """Fails a target replica's rounds UNAVAILABLE while `on` (at most `budget` of them when
     given), its health staying SERVING: a grey failure. Records when each step reached it."""
 
-    def __init__(self, servicer, on: bool = False, budget: int | None = None):
+    def __init__(self, servicer, on: bool = False, budget: int | None = None, delay_s: float = 0.0):
+        """delay_s: how long a failing step takes."""
         self.on = on
         self.budget = budget
         self.failed = 0
@@ -202,6 +203,7 @@ class Fault:
             self.calls.append(time.monotonic())
             if self.on and (self.budget is None or self.failed < self.budget):
                 self.failed += 1
+                time.sleep(delay_s)
                 raise Unavailable("injected fault")
             return verify(rounds)
 
@@ -336,6 +338,25 @@ def test_ejections_are_in_the_metrics(flapping):
     assert counted >= 2
     assert watch.most_gauge == 1
     assert sample("specdec_replicas_ejected", "target") == 0  # its pool is closed
+
+
+def test_a_step_that_ejects_its_replica_keeps_the_steps_queued_behind_it_unsent(target, draft, tokenizer, expected):
+    # One round per step, and a slow failing step: the first rounds of the requests placed on
+    # the failing replica queue there as steps of their own behind the first. That step's
+    # failure ejects the replica before the batcher sends the next; they go to the other.
+    prompts = PROMPTS * 2
+
+    async def scenario():
+        async with running_cluster(target, tokenizer, draft, HOSTS, eject_after_failures=1, eject_base_s=30.0,
+                                   eject_max_s=30.0, max_ejected_percent=50.0, max_batch_rounds=1) as cluster:
+            fault = Fault(cluster.targets[0][1], on=True, delay_s=0.5)
+            outputs = await asyncio.gather(*(generate(cluster.address, p) for p in prompts))
+            pool = cluster.servicer.runner.target.pool
+            return fault.calls, pool.replicas[cluster.targets[0][0].address].ejected, outputs
+
+    calls, ejected, outputs = run(scenario())
+    assert ejected and len(calls) == 1
+    assert outputs == [expected[p] for p in prompts]
 
 
 def test_with_two_replicas_failing_at_most_one_is_ejected(target, draft, tokenizer, expected):
