@@ -138,12 +138,16 @@ class RoundRunner:
         """Yields one response per round with new tokens; the last carries finish and stats.
 
         The next round is queued before this round's response goes to the client: what a
-        round sends depends on the committed tokens alone (and, for stop strings, on their
-        text, taken before), never on the client having received them. So writing to the
-        client — and everything between a step's answer and the client's stream — runs
-        while the next step is gathered, sent and computed, and under load a step no longer
-        waits for every request's write before it can leave (the split's cost per round:
-        benchmarks/round_cost.py). A request runs at most one round ahead of its client."""
+        round sends depends on the committed tokens alone, never on the client having
+        received them. So writing to the client — and everything between a step's answer
+        and the client's stream — runs while the next step is gathered, sent and computed,
+        and under load a step no longer waits for every request's write before it can leave
+        (the split's cost per round: benchmarks/round_cost.py). Where the next round goes
+        straight to the target, it is queued even before this round's text is decoded, and
+        the rest waits for the step carrying it to leave; a stop string found in that text
+        then finishes the request and cancels the round (sent, it still runs on the worker,
+        and the session is released after it). A request runs at most one round ahead of
+        its client."""
         gen = self._start(plan)
         ahead: asyncio.Task | None = None
         try:
@@ -155,10 +159,16 @@ class RoundRunner:
                     ahead = None
                 self._record(gen, drafts, verdict, asked)
                 new = self._commit(gen, drafts, verdict)
+                if not gen.done and self._straight_to_target(gen):
+                    # Its next round queues at once, and the work below waits for the step
+                    # carrying it to leave: under load that step waits for every request it
+                    # answered, so what each one does for its client runs while it computes.
+                    ahead = asyncio.get_running_loop().create_task(self._round(gen))
+                    await self.target.step_left(gen.target)
                 text, new = self._stream(gen, new)
                 self._observe(gen, drafts, verdict, new)
                 response = self._response(gen, new, text)
-                if not gen.done:
+                if ahead is None and not gen.done:
                     ahead = asyncio.get_running_loop().create_task(self._round(gen))
                 yield response
         finally:
@@ -166,6 +176,12 @@ class RoundRunner:
                 ahead.cancel()  # the client is gone or the request failed: its round goes too
             self.target.finished(gen.target)  # no step waits for its next round
             self._release_later(gen.target, gen.draft if gen.use_draft else None, ahead)
+
+    def _straight_to_target(self, gen: Generation) -> bool:
+        """Whether the request's next round goes to the target without asking the draft
+        worker first (speculation off, or drafted by a head on the target): queueing it is
+        then immediate."""
+        return not gen.use_draft or (gen.plan.speculate and self.target.runs_head(gen.target))
 
     async def _round(self, gen: Generation) -> tuple[list[int], tuple[int, bool] | None, target_pb2.Verdict]:
         """One round: its drafts, the controller's (k, probing) they answer, the verdict."""

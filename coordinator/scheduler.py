@@ -243,6 +243,17 @@ class StepBatcher:
         if late is not None:
             await asyncio.wait({late})  # neither raises its error nor cancels it
 
+    async def gathered(self) -> None:
+        """Returns once the step being gathered has left (all the requests the last step
+        answered are back, or the gathering gave up), at once when none is gathered. A
+        request answered by a step does its work for the client after queueing its next
+        round and awaiting this, so that work runs while the next step computes instead of
+        delaying it (coordinator.rounds)."""
+        if self._all_back is not None and not self._all_back.done():
+            # Neither cancels the gathering when the waiter is cancelled nor raises when the
+            # batcher is closed mid-gathering.
+            await asyncio.wait({self._all_back})
+
     def forget(self, key: str) -> None:
         """The request is back (or finished): the step need not wait for it."""
         if key in self._awaited:

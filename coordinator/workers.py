@@ -695,6 +695,13 @@ class TargetClient(WorkerClient):
         if batcher is not None:
             batcher.forget(session.key)
 
+    async def step_left(self, session: WorkerSession) -> None:
+        """Returns once the step gathering on the session's replica has left (at once when
+        none is gathering; StepBatcher.gathered)."""
+        batcher = self._batchers.get(session.replica) if session.replica else None
+        if batcher is not None:
+            await batcher.gathered()
+
     def __init__(self, *args, prefill_chunk: int = 256, hedging: HedgePolicy | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         # Longest run of committed tokens one round sends while batching (see verify).

@@ -333,6 +333,49 @@ def test_a_cancelled_requests_release_waits_for_the_step_carrying_its_round():
     assert order == ["step sent", "step answered", "released"]
 
 
+def test_work_for_the_client_waits_for_the_step_carrying_the_next_rounds():
+    """A request answered by a step queues its next round, then awaits gathered() before
+    its work for the client: the next step leaves first, and a waiter cancelled meanwhile
+    leaves the gathering alone."""
+    async def scenario():
+        order: list[str] = []
+
+        async def send(requests, timeout_s):
+            order.append(f"step {len(requests)}")
+            await asyncio.sleep(0.005)
+            return FakeResponse(list(requests))
+
+        batcher = StepBatcher("target", send, token_budget=100, max_rounds=16, gather=True)
+        assert await asyncio.wait_for(batcher.gathered(), 0.1) is None  # nothing gathered: at once
+
+        async def request(key: str):
+            ahead = asyncio.ensure_future(batcher.submit(key, 1, 5.0, key=key))
+            for round_ in range(3):
+                await ahead
+                if round_ < 2:
+                    ahead = asyncio.ensure_future(batcher.submit(key, 1, 5.0, key=key))
+                    await batcher.gathered()
+                else:
+                    batcher.forget(key)
+                order.append(f"client {key}")
+
+        async def cancelled():
+            await batcher.submit("x", 1, 5.0, key="x")
+            waiter = asyncio.ensure_future(batcher.gathered())
+            await asyncio.sleep(0)
+            waiter.cancel()  # "x" is not back, and the step still waits for the others
+            order.append("x gone")
+
+        await asyncio.gather(*(request(k) for k in "abc"), cancelled())
+        return order
+
+    order = run(scenario())
+    # The first step carries all four; "x" never comes back, so the gathering gives up on it.
+    assert order[:2] == ["step 4", "x gone"]
+    assert order[2:6] == ["step 3", "client a", "client b", "client c"]
+    assert order[6:10] == ["step 3", "client a", "client b", "client c"]
+
+
 @pytest.mark.parametrize("gather", [False, True])
 def test_requests_answered_by_a_step_share_the_next_one_instead_of_leapfrogging(gather):
     async def scenario():
