@@ -4,7 +4,8 @@ another replica), and move a session to another replica when its own fails.
 
 Bounds, so nothing hangs: a call waits at most `timeout_s`; a round tries at most
 `retries + 1` times, sleeping `backoff_s`, 2·backoff_s, … in between (default 0.2 s doubling
-over 5 retries: ~6 s of back-off) and then fails UNAVAILABLE. The draft side is impatient by
+over 5 retries: ~6 s of back-off) and then fails UNAVAILABLE (RESOURCE_EXHAUSTED when the
+last replica tried was too full for the round). The draft side is impatient by
 design: if no draft replica can answer at once, the round goes on with the target alone.
 A target round a replica holds past the tail of the pool's latencies may also be sent to a
 second replica, the first answer winning (coordinator.hedging).
@@ -27,7 +28,7 @@ from coordinator.pool import EjectionPolicy, Replica, WorkerPool, resolve_dns
 from coordinator.scheduler import RoundFailed, StepBatcher
 from coordinator.step_stream import StepStream, StreamUnsupported, rpc_error
 from specdec import metrics
-from specdec.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+from specdec.errors import DeadlineExceeded, FailedPrecondition, ResourceExhausted, Unavailable
 from specdec.logs import REQUEST_ID_KEY
 from specdec.serving import MIN_PING_INTERVAL_S
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -41,8 +42,14 @@ TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 # suspect, so the session is released there and rebuilt from scratch, on another replica
 # when there is one (the coordinator owns the committed tokens; a worker's cache is only an
 # optimisation, rebuilt from them).
-REPLICA_FAULT = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                 grpc.StatusCode.DATA_LOSS}
+REPLICA_FAULT = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
+# A replica too full for a round right now (its KV pool, its session slots) refused that
+# round alone and changed nothing: it is loaded, not broken, and never counts toward taking
+# it out or ejecting it. The session moves to another serving replica when there is one
+# (its copy on the full one is released, giving its blocks back; at once the first time in
+# a round, after the back-off when that one is full too), else the round is retried there
+# after the back-off.
+BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
 # A whole step failing so is the replica's failure whoever's rounds it carried; a step past
 # its deadline may be the clients' deadlines, which its rounds tell apart.
 STEP_FAULT = (TRANSIENT | REPLICA_FAULT) - {grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -437,6 +444,8 @@ class WorkerClient:
         loop = asyncio.get_running_loop()
         began = loop.time()
         attempt = resyncs = 0
+        busy = False  # the last attempt's replica was too full for the round
+        moved_at_once = False  # a busy replica's session went to another without back-off
         start = min(session.sent, len(committed) - 1)
         last_error = "no replica is healthy"
         hedges = session.hedges  # a round is hedged at most once, whatever its attempts
@@ -458,7 +467,18 @@ class WorkerClient:
                     if session.deadline is not None and loop.time() >= session.deadline:
                         # The client's deadline ran out, not the replica: leave it in the pool.
                         raise DeadlineExceeded(f"deadline exceeded during a {self.kind} round") from exc
-                    if exc.code() in REPLICA_FAULT:
+                    busy = exc.code() == BUSY
+                    if busy:
+                        if await self._move_off_busy(session, replica, last_error):
+                            start = 0
+                            if not moved_at_once:  # the first move needs no back-off; the next ones do
+                                moved_at_once = True
+                                attempt += 1
+                                if attempt > (self.retries if self.patient else 1):
+                                    raise ResourceExhausted(f"{self.kind} workers too busy after {attempt} "
+                                                            f"attempts ({last_error})") from exc
+                                continue
+                    elif exc.code() in REPLICA_FAULT:
                         log.warning("%s replica fault (%s): session %s restarts from scratch", self.kind, last_error,
                                     session.session_id)
                         await self._release_on(replica, session.session_id)
@@ -468,7 +488,8 @@ class WorkerClient:
                         # two disagree (versions, limits), not that the client erred.
                         raise FailedPrecondition(f"{self.kind} worker {replica.address} refused a round: "
                                                  f"{exc.code().name}: {exc.details()}") from exc
-                    self.pool.mark_failed(replica.address)
+                    if not busy:
+                        self.pool.mark_failed(replica.address)
                 else:
                     self.pool.succeeded(replica.address)
                     session.wire_bytes += request.ByteSize() + response.ByteSize()
@@ -485,9 +506,33 @@ class WorkerClient:
                     self.round_times.observe(loop.time() - began)
                     return getattr(response, kind)
             if attempt >= (self.retries if self.patient else 1) or (replica is None and not self.patient):
+                if busy:
+                    raise ResourceExhausted(f"{self.kind} workers too busy after {attempt + 1} attempts "
+                                            f"({last_error})")
                 raise Unavailable(f"{self.kind} workers unavailable after {attempt + 1} attempts ({last_error})")
             await asyncio.sleep(self.backoff_s * (2 ** attempt))
             attempt += 1
+
+    async def _move_off_busy(self, session: WorkerSession, replica: Replica, reason: str) -> bool:
+        """A round `replica` was too full for: the session moves to the least loaded other
+        serving replica, its copy here released (True), or stays to retry after the
+        back-off where there is none (False). Neither counts against `replica`."""
+        other = self.pool.alternative(session.session_id, replica.address)
+        metrics.BUSY_ROUNDS.labels(self.kind, "moved" if other is not None else "retried").inc()
+        if other is None:
+            log.info("%s replica busy (%s): session %s retries its round there", self.kind, reason,
+                     session.session_id)
+            return False
+        log.info("%s replica busy (%s): session %s moves to %s", self.kind, reason, session.session_id,
+                 other.address)
+        replica.sessions.discard(session.session_id)
+        other.sessions.add(session.session_id)
+        session.replica = other.address
+        session.used.add(other.address)
+        session.moves += 1
+        await self._release_on(replica, session.session_id)
+        session.used.discard(replica.address)
+        return True
 
     # --- hedged rounds (coordinator.hedging) ---------------------------------------------
 
@@ -616,7 +661,7 @@ class WorkerClient:
         if session.deadline is not None and asyncio.get_running_loop().time() >= session.deadline:
             return
         code = exc.code() if isinstance(exc, (grpc.aio.AioRpcError, RoundFailed)) else None
-        if code in TRANSIENT or code in REPLICA_FAULT:
+        if code in TRANSIENT or code in REPLICA_FAULT:  # not BUSY: a full replica is healthy
             self.pool.mark_failed(replica.address)
 
     def _release_loser(self, call: asyncio.Future, address: str, session: WorkerSession) -> None:

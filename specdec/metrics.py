@@ -67,6 +67,10 @@ HEDGED_ROUNDS = Counter("specdec_hedged_rounds_total",
 HEDGES_SKIPPED = Counter("specdec_hedges_skipped_total",
                          "Target rounds unanswered past the hedge delay but not hedged, by why: budget, deadline, "
                          "no_replica", ["reason"])
+BUSY_ROUNDS = Counter("specdec_busy_rounds_total",
+                      "Rounds a worker replica was too full for (RESOURCE_EXHAUSTED: its KV pool or session "
+                      "slots), by what the session did: moved (to another replica) or retried (there, after "
+                      "the back-off)", ["kind", "outcome"])
 TTFT = Histogram("specdec_ttft_seconds", "Time from request to first token", buckets=LATENCY_BUCKETS)
 
 

@@ -129,11 +129,13 @@ async def running_cluster(target_model, tokenizer, draft, hosts: list[str], reso
                           target_spec: str | None = None, target_options=None, **coordinator_options):
     """One target and one draft replica on each loopback host (127.0.0.2, 127.0.0.3, ...),
     and a coordinator given every replica (or `target_spec`, e.g. a name for `resolver`);
-    target_options: WorkerConfig fields of every target replica."""
+    target_options: WorkerConfig fields of every target replica, or a list of them, one per
+    host."""
     targets, drafts = [], []
+    per_host = target_options if isinstance(target_options, list) else [target_options or {}] * len(hosts)
     try:
-        for host in hosts:
-            targets.append(await start_target(target_model, tokenizer, host=host, **(target_options or {})))
+        for host, options in zip(hosts, per_host, strict=True):
+            targets.append(await start_target(target_model, tokenizer, host=host, **options))
             drafts.append(await start_draft(draft, tokenizer, host=host))
         config = CoordinatorConfig(
             target_addr=target_spec or ",".join(t[0].address for t in targets),

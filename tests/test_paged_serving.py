@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import grpc
 import pytest
 
 from specdec.client import Client, make_request
@@ -18,7 +19,7 @@ from specdec.runtime.paged_lm import PagedCausalLM
 from specdec.sessions import Resync, SessionStore
 from specdec.train.teacher import chat_ids
 from tests.factories import make_tiny_model
-from tests.harness import reference_greedy, run, running_stack
+from tests.harness import reference_greedy, run, running_cluster, running_stack
 from target_worker.verify import Round, Verdict, Verifier
 from tests.test_eagle_services import ALWAYS, make_head, target, tokenizer  # noqa: F401
 
@@ -160,6 +161,72 @@ def target_block_bytes(model) -> int:
     from specdec.runtime.paged import DEFAULT_BLOCK_SIZE, KVShape, block_bytes
 
     return block_bytes(KVShape.of(model.config), DEFAULT_BLOCK_SIZE, next(model.parameters()).dtype)
+
+
+def test_a_full_pool_refuses_the_request_without_failing_the_replica(target, tokenizer):
+    # A prompt bigger than the whole pool of the only replica: the worker refuses each try
+    # of its round alone (RESOURCE_EXHAUSTED, pool unchanged), the coordinator retries it
+    # there and then tells the client RESOURCE_EXHAUSTED — and never takes the busy replica
+    # out: the next request is served at once.
+    options = {**PAGED, "max_cache_bytes": 8 * target_block_bytes(target)}  # 7 usable blocks
+    short, long = PROMPTS[0], " ".join(PROMPTS * 3)  # within the context, not the pool
+    assert len(chat_ids(tokenizer, long)) > 7 * 16
+
+    async def scenario():
+        async with running_stack(target, tokenizer, target_options=options, worker_retries=2,
+                                 eject_after_failures=1) as stack:
+            pool = stack.coordinator_servicer.runner.target.pool
+            retried = counted("specdec_busy_rounds_total", kind="target", outcome="retried")
+            async with Client(stack.address) as client:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await client.complete(make_request(long, max_new_tokens=4))
+                replica = next(iter(pool.replicas.values()))
+                state = (replica.healthy, replica.failures, replica.ejected)
+                served = await client.complete(make_request(short, max_new_tokens=MAX_NEW))
+            return refused.value, state, served, counted("specdec_busy_rounds_total", kind="target",
+                                                          outcome="retried") - retried
+
+    error, (healthy, failures, ejected), served, retried = run(scenario())
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "busy" in error.details()
+    assert healthy and failures == 0 and not ejected
+    assert retried == 3  # its first try and two retries, all there
+    assert list(served.token_ids) == expected(target, tokenizer, short)
+
+
+def test_a_session_refused_by_a_full_replica_moves_to_another(target, tokenizer):
+    # Two replicas, one whose pool cannot hold a long prompt: a request placed there is
+    # refused (RESOURCE_EXHAUSTED) and moves to the other at once, exact; the full replica
+    # is neither taken out nor ejected (one failure would eject it), and serves short ones.
+    small = {**PAGED, "max_cache_bytes": 8 * target_block_bytes(target)}
+    big = {**PAGED, "max_cache_bytes": 512 * target_block_bytes(target)}
+    long = [" ".join(PROMPTS * 3) + f" ({i})" for i in range(4)]
+    assert all(len(chat_ids(tokenizer, p)) > 7 * 16 for p in long)
+
+    async def scenario():
+        async with running_cluster(target, tokenizer, "ngram", ["127.0.0.2", "127.0.0.3"],
+                                   target_options=[small, big], eject_after_failures=1,
+                                   max_ejected_percent=50.0) as cluster:
+            moved = counted("specdec_busy_rounds_total", kind="target", outcome="moved")
+            outputs = await complete_all(cluster.address, long, k=2)
+            shorts = await complete_all(cluster.address, PROMPTS, k=2)
+            pool = cluster.servicer.runner.target.pool
+            full = pool.replicas[cluster.targets[0][0].address]
+            return (outputs, shorts, (full.healthy, full.failures, full.ejected),
+                    counted("specdec_busy_rounds_total", kind="target", outcome="moved") - moved)
+
+    outputs, shorts, (healthy, failures, ejected), moved = run(scenario())
+    for prompt, result in zip(long, outputs):
+        assert list(result.token_ids) == expected(target, tokenizer, prompt), prompt
+    for prompt, result in zip(PROMPTS, shorts):
+        assert list(result.token_ids) == expected(target, tokenizer, prompt), prompt
+    assert moved >= 1  # least-loaded placement puts some of the four on the small one
+    assert healthy and failures == 0 and not ejected
+
+
+def counted(name: str, **labels) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
 def test_a_head_with_many_sessions_on_the_pool_stays_exact(target, tokenizer):
