@@ -23,7 +23,11 @@ Side by side in one run, speculation off (one token per round, so a round is one
 
 Per configuration: milliseconds per round after the first token (a client's time from its
 first token to its last / its rounds after the first; the worker loop: per step), tokens/s
-over all sessions, and the split's cost per round = services ms/round − worker ms/step.
+over all sessions, and the split's cost per round = services ms/round − worker ms/step. For a
+coordinator in a process of its own (the services modes) also its CPU time per request-round
+(all its threads, gRPC's included): what sizes a coordinator's CPU, whatever the worker's
+device — one core carries 10⁶ / that many request-rounds per second (the OS counts CPU time
+in 10 ms ticks: B × rounds ≥ 500 keeps that within a few percent).
 Every process runs `--threads` torch threads. Writes --out/NAME.json and .md (--name).
 """
 
@@ -80,10 +84,20 @@ def worker_loop(model_dir: str, batch: int, rounds: int, threads: int) -> dict:
     return {"ms_per_round": 1e3 * per_step, "tokens_per_s": batch / per_step}
 
 
-async def through(address: str, batch: int, rounds: int) -> dict:
-    """B clients at once, speculation off, `rounds` tokens each: ms per round after the first."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far, all its threads."""
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+async def through(address: str, batch: int, rounds: int, coordinator_pid: int | None = None) -> dict:
+    """B clients at once, speculation off, `rounds` tokens each: ms per round after the first;
+    with coordinator_pid, that process's CPU time per request-round (after the warm-up)."""
     async with Client(address) as client:
         await client.complete(make_request(PROMPT, max_new_tokens=4, speculate=False))  # warm-up
+        cpu_began = cpu_seconds(coordinator_pid) if coordinator_pid else 0.0
 
         async def one() -> tuple[float, int, float, float]:
             began, first, last, count = time.perf_counter(), None, None, 0
@@ -95,9 +109,14 @@ async def through(address: str, batch: int, rounds: int) -> dict:
             return (last - first) / max(1, count - 1), count, began, last
 
         results = await asyncio.gather(*(one() for _ in range(batch)))
+        if coordinator_pid:
+            cpu_s = cpu_seconds(coordinator_pid) - cpu_began
     wall = max(r[3] for r in results) - min(r[2] for r in results)
-    return {"ms_per_round": 1e3 * statistics.median(r[0] for r in results),
-            "tokens_per_s": sum(r[1] for r in results) / wall}
+    run = {"ms_per_round": 1e3 * statistics.median(r[0] for r in results),
+           "tokens_per_s": sum(r[1] for r in results) / wall}
+    if coordinator_pid:
+        run["coordinator_cpu_us_per_round"] = 1e6 * cpu_s / sum(r[1] for r in results)
+    return run
 
 
 def start_services(model_dir: str, threads: int, workdir: Path, baseline: Path | None = None) -> dict[str, ServiceProcess]:
@@ -170,13 +189,17 @@ def main(argv: list[str] | None = None) -> int:
                     elif mode.startswith("services"):
                         coordinator = services[{"services": "coordinator", "services (unary)": "coordinator-unary",
                                                 "services (baseline)": "coordinator-baseline"}[mode]]
-                        run = loop.run_until_complete(through(f"127.0.0.1:{coordinator.port}", batch, args.rounds))
+                        run = loop.run_until_complete(through(f"127.0.0.1:{coordinator.port}", batch, args.rounds,
+                                                              coordinator.pid))
                     else:
                         run = loop.run_until_complete(through(up.address, batch, args.rounds))
                     run.update(batch=batch, mode=mode)
                     runs.append(run)
+                    cpu = run.get("coordinator_cpu_us_per_round")
                     print(f"B={batch:>3} {mode:>16}: {run['ms_per_round']:.2f} ms/round, "
-                          f"{run['tokens_per_s']:.0f} tok/s", file=sys.stderr, flush=True)
+                          f"{run['tokens_per_s']:.0f} tok/s" + (f", coordinator {cpu:.0f} µs CPU per request-round"
+                                                                 if cpu is not None else ""),
+                          file=sys.stderr, flush=True)
     finally:
         up.close()
         for service in services.values():
@@ -184,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict = {}
     for batch in batches:
         row = {mode: {key: statistics.median(r[key] for r in runs if r["batch"] == batch and r["mode"] == mode)
-                      for key in ("ms_per_round", "tokens_per_s")}
+                      for key in ("ms_per_round", "tokens_per_s", "coordinator_cpu_us_per_round")
+                      if mode.startswith("services") or key != "coordinator_cpu_us_per_round"}
                for mode in modes}
         for mode in modes[1:]:
             row[mode]["split_ms_per_round"] = row[mode]["ms_per_round"] - row["worker loop"]["ms_per_round"]
@@ -207,22 +231,26 @@ def main(argv: list[str] | None = None) -> int:
              "Services: steps on one stream per worker replica; services (unary): the same workers behind a "
              "coordinator with `--no-worker-streams` (one VerifyBatch call per step).", "",
              "| B | worker loop ms/step | services ms/round | split ms/round | services (unary) ms/round | "
-             "split ms/round | up (mTLS) ms/round | split ms/round | services tok/s vs worker loop |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "split ms/round | up (mTLS) ms/round | split ms/round | services tok/s vs worker loop | "
+             "coordinator CPU µs per request-round |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for batch, row in summary.items():
         lines.append(f"| {batch} | {row['worker loop']['ms_per_round']:.2f} | {row['services']['ms_per_round']:.2f} | "
                      f"{row['services']['split_ms_per_round']:+.2f} | "
                      f"{row['services (unary)']['ms_per_round']:.2f} | "
                      f"{row['services (unary)']['split_ms_per_round']:+.2f} | {row['up (mTLS)']['ms_per_round']:.2f} | "
-                     f"{row['up (mTLS)']['split_ms_per_round']:+.2f} | {row['services']['vs_worker_loop']:.2f} |")
+                     f"{row['up (mTLS)']['split_ms_per_round']:+.2f} | {row['services']['vs_worker_loop']:.2f} | "
+                     f"{row['services']['coordinator_cpu_us_per_round']:.0f} |")
     if baseline is not None:
         lines += ["", f"Baseline: a coordinator run from `{baseline}` before the same workers, steps on streams.", "",
-                  "| B | services (baseline) ms/round | split ms/round | services split ms/round | split, this / baseline |",
-                  "| --- | --- | --- | --- | --- |"]
+                  "| B | services (baseline) ms/round | split ms/round | services split ms/round | split, this / baseline | "
+                  "coordinator CPU µs per request-round, baseline / this |",
+                  "| --- | --- | --- | --- | --- | --- |"]
         for batch, row in summary.items():
             base = row["services (baseline)"]
             lines.append(f"| {batch} | {base['ms_per_round']:.2f} | {base['split_ms_per_round']:+.2f} | "
-                         f"{row['services']['split_ms_per_round']:+.2f} | {row['services']['vs_baseline_split']:.2f} |")
+                         f"{row['services']['split_ms_per_round']:+.2f} | {row['services']['vs_baseline_split']:.2f} | "
+                         f"{base['coordinator_cpu_us_per_round']:.0f} / {row['services']['coordinator_cpu_us_per_round']:.0f} |")
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print(json.dumps(summary, indent=2))
     return 0

@@ -29,6 +29,8 @@ from specdec.v1 import common_pb2, coordinator_pb2, target_pb2
 log = logging.getLogger(__name__)
 
 FinishReason = coordinator_pb2.FinishReason
+# Looked up once: a protobuf enum's attribute lookup is not free, and `done` is read per round.
+UNFINISHED = FinishReason.FINISH_REASON_UNSPECIFIED
 
 
 @dataclass(frozen=True)
@@ -106,13 +108,13 @@ class Generation:
     detok: IncrementalDetokenizer
     stopper: StopMatcher
     stats: Stats = field(default_factory=Stats)
-    finish: int = FinishReason.FINISH_REASON_UNSPECIFIED
+    finish: int = UNFINISHED
     ahead: list[int] = field(default_factory=list)  # with a head on the target: its draft for this round
     ahead_asked: tuple[int, bool] = (0, False)  # the adaptive controller's (k, probing) that draft answered
 
     @property
     def done(self) -> bool:
-        return self.finish != FinishReason.FINISH_REASON_UNSPECIFIED
+        return self.finish != UNFINISHED
 
     @property
     def sessions(self) -> list[WorkerSession]:
@@ -290,7 +292,7 @@ class RoundRunner:
         if stats.first_token_at is None:
             stats.first_token_at = time.perf_counter()
         out: list[int] = []
-        finish = FinishReason.FINISH_REASON_UNSPECIFIED
+        finish = UNFINISHED
         for token in tokens:
             out.append(token)
             if token in plan.eos_ids:

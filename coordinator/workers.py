@@ -777,7 +777,9 @@ class TargetClient(WorkerClient):
     def _on_step(self, address: str, response, requests: list) -> None:
         drafts = sum(len(r.draft_tokens) for r in requests)
         drafting = sum(1 for r in requests if r.draft_tokens)
-        model = self.costs.setdefault(address, StepCostModel())
+        model = self.costs.get(address)
+        if model is None:
+            model = self.costs[address] = StepCostModel()
         model.observe(response.rows, response.step_s, len(requests), drafts, drafting, response.draft_s)
         model.observe_head(response.draft_s, len(requests), sum(1 for r in requests if r.draft_next))
 
