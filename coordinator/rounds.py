@@ -22,7 +22,7 @@ from coordinator.adaptive import AdaptiveK, DrafterRecord
 from coordinator.detokenizer import IncrementalDetokenizer, StopMatcher
 from coordinator.workers import DraftClient, FeatureLog, TargetClient, WorkerSession
 from specdec import metrics
-from specdec.errors import InvalidArgument, Unavailable
+from specdec.errors import InvalidArgument, ResourceExhausted, Unavailable
 from specdec.sampling import GREEDY, Sampling
 from specdec.v1 import common_pb2, coordinator_pb2, target_pb2
 
@@ -362,7 +362,7 @@ class RoundRunner:
         gives the exact output, only slower (drafts are suggestions; the target decides)."""
         try:
             block = await self.draft.propose(session, committed, k, features)
-        except (Unavailable, grpc.aio.AioRpcError) as exc:
+        except (Unavailable, ResourceExhausted, grpc.aio.AioRpcError) as exc:
             stats.draft_failures += 1
             log.warning("draft worker failed (%s); this round decodes with the target alone", exc)
             return []

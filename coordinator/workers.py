@@ -48,7 +48,8 @@ REPLICA_FAULT = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusC
 # it out or ejecting it. The session moves to another serving replica when there is one
 # (its copy on the full one is released, giving its blocks back; at once the first time in
 # a round, after the back-off when that one is full too), else the round is retried there
-# after the back-off.
+# after the back-off — a target round; a draft round is not waited for: the target decodes
+# that round alone.
 BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
 # A whole step failing so is the replica's failure whoever's rounds it carried; a step past
 # its deadline may be the clients' deadlines, which its rounds tell apart.
@@ -478,6 +479,8 @@ class WorkerClient:
                                     raise ResourceExhausted(f"{self.kind} workers too busy after {attempt} "
                                                             f"attempts ({last_error})") from exc
                                 continue
+                        elif not self.patient:  # no waiting for a suggestion: the target decodes alone
+                            raise ResourceExhausted(f"{self.kind} workers too busy ({last_error})") from exc
                     elif exc.code() in REPLICA_FAULT:
                         log.warning("%s replica fault (%s): session %s restarts from scratch", self.kind, last_error,
                                     session.session_id)
@@ -515,13 +518,14 @@ class WorkerClient:
 
     async def _move_off_busy(self, session: WorkerSession, replica: Replica, reason: str) -> bool:
         """A round `replica` was too full for: the session moves to the least loaded other
-        serving replica, its copy here released (True), or stays to retry after the
-        back-off where there is none (False). Neither counts against `replica`."""
+        serving replica, its copy here released (True), or stays where there is none
+        (False). Neither counts against `replica`."""
         other = self.pool.alternative(session.session_id, replica.address)
-        metrics.BUSY_ROUNDS.labels(self.kind, "moved" if other is not None else "retried").inc()
+        outcome = "moved" if other is not None else "retried" if self.patient else "skipped"
+        metrics.BUSY_ROUNDS.labels(self.kind, outcome).inc()
         if other is None:
-            log.info("%s replica busy (%s): session %s retries its round there", self.kind, reason,
-                     session.session_id)
+            log.info("%s replica busy (%s): session %s %s", self.kind, reason, session.session_id,
+                     "retries its round there" if self.patient else "goes without a draft this round")
             return False
         log.info("%s replica busy (%s): session %s moves to %s", self.kind, reason, session.session_id,
                  other.address)

@@ -69,8 +69,9 @@ HEDGES_SKIPPED = Counter("specdec_hedges_skipped_total",
                          "no_replica", ["reason"])
 BUSY_ROUNDS = Counter("specdec_busy_rounds_total",
                       "Rounds a worker replica was too full for (RESOURCE_EXHAUSTED: its KV pool or session "
-                      "slots), by what the session did: moved (to another replica) or retried (there, after "
-                      "the back-off)", ["kind", "outcome"])
+                      "slots), by what the session did: moved (to another replica), retried (there, after "
+                      "the back-off: a target round) or skipped (a draft round: the target decodes it alone)",
+                      ["kind", "outcome"])
 TTFT = Histogram("specdec_ttft_seconds", "Time from request to first token", buckets=LATENCY_BUCKETS)
 
 

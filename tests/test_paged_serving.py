@@ -223,6 +223,28 @@ def test_a_session_refused_by_a_full_replica_moves_to_another(target, tokenizer)
     assert healthy and failures == 0 and not ejected
 
 
+def test_a_draft_replica_too_full_for_a_prompt_leaves_the_target_alone_to_decode(target, tokenizer, draft):
+    # A draft model over a pool that cannot hold the prompt: its Propose rounds come back
+    # RESOURCE_EXHAUSTED; drafts are suggestions, so the request decodes with the target
+    # alone, exact, and the draft replica is not taken out.
+    small = {**PAGED, "max_cache_bytes": 8 * target_block_bytes(draft)}
+    long = " ".join(PROMPTS * 3)
+    assert len(chat_ids(tokenizer, long)) > 7 * 16
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=draft, draft_options=small) as stack:
+            skipped = counted("specdec_busy_rounds_total", kind="draft", outcome="skipped")
+            [result] = await complete_all(stack.address, [long], k=2)
+            replica = next(iter(stack.coordinator_servicer.runner.draft.pool.replicas.values()))
+            return (result, counted("specdec_busy_rounds_total", kind="draft", outcome="skipped") - skipped,
+                    (replica.healthy, replica.failures))
+
+    result, skipped, (healthy, failures) = run(scenario())
+    assert list(result.token_ids) == expected(target, tokenizer, long)
+    assert skipped >= 1 and result.stats["proposed"] == 0
+    assert healthy and failures == 0
+
+
 def counted(name: str, **labels) -> float:
     from prometheus_client import REGISTRY
 
