@@ -59,14 +59,16 @@ STEP_TIME_DECAY = 0.8  # memory of the step-duration estimate (~5 steps)
 
 class RoundFailed(Exception):
     """One round's part of a batched call failed with this status (its RoundError, or the
-    whole call's error); it quacks like grpc.aio.AioRpcError where the retry logic looks."""
+    whole call's error); it quacks like grpc.aio.AioRpcError where the retry logic looks.
+    `refused`: the worker refused this round alone (its RoundError), not the whole call."""
 
     _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
-    def __init__(self, code: grpc.StatusCode | int, details: str):
+    def __init__(self, code: grpc.StatusCode | int, details: str, refused: bool = False):
         super().__init__(details)
         self._code = self._CODES.get(code, grpc.StatusCode.UNKNOWN) if isinstance(code, int) else code
         self._details = details
+        self.refused = refused
 
     def code(self) -> grpc.StatusCode:
         return self._code

@@ -42,15 +42,28 @@ TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grp
 # suspect, so the session is released there and rebuilt from scratch, on another replica
 # when there is one (the coordinator owns the committed tokens; a worker's cache is only an
 # optimisation, rebuilt from them).
-REPLICA_FAULT = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
+REPLICA_FAULT = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 grpc.StatusCode.DATA_LOSS}
 # A replica too full for a round right now (its KV pool, its session slots) refused that
-# round alone and changed nothing: it is loaded, not broken, and never counts toward taking
-# it out or ejecting it. The session moves to another serving replica when there is one
+# round alone and changed nothing (`busy`; a whole call failing RESOURCE_EXHAUSTED, e.g. over
+# gRPC's message size, is a fault as above): it is loaded, not broken, and never counts
+# toward taking it out or ejecting it. The session moves to another serving replica when there is one
 # (its copy on the full one is released, giving its blocks back; at once the first time in
 # a round, after the back-off when that one is full too), else the round is retried there
 # after the back-off — a target round; a draft round is not waited for: the target decodes
 # that round alone.
 BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def busy(exc: BaseException) -> bool:
+    """Whether a round's error is its replica refusing it for room (see BUSY): a batched
+    round's own RoundError, or an unbatched call the worker answered RESOURCE_EXHAUSTED
+    (not gRPC's message-size limit)."""
+    if isinstance(exc, RoundFailed):
+        return exc.refused and exc.code() == BUSY
+    return (isinstance(exc, grpc.aio.AioRpcError) and exc.code() == BUSY
+            and "larger than max" not in (exc.details() or ""))
+
 # A whole step failing so is the replica's failure whoever's rounds it carried; a step past
 # its deadline may be the clients' deadlines, which its rounds tell apart.
 STEP_FAULT = (TRANSIENT | REPLICA_FAULT) - {grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -313,7 +326,7 @@ class WorkerClient:
         except TimeoutError as exc:
             raise RoundFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout:.3g} s") from exc
         if response.WhichOneof("result") == "error":
-            raise RoundFailed(response.error.code, response.error.message)
+            raise RoundFailed(response.error.code, response.error.message, refused=True)
         return response
 
     async def _admit(self, replica: Replica) -> bool:
@@ -445,13 +458,13 @@ class WorkerClient:
         loop = asyncio.get_running_loop()
         began = loop.time()
         attempt = resyncs = 0
-        busy = False  # the last attempt's replica was too full for the round
         moved_at_once = False  # a busy replica's session went to another without back-off
         start = min(session.sent, len(committed) - 1)
         last_error = "no replica is healthy"
         hedges = session.hedges  # a round is hedged at most once, whatever its attempts
         while True:
             replica = await self._replica(session, attempt)
+            busy_here = False  # this attempt's replica was too full for the round
             if replica is not None:
                 delta = common_pb2.SessionDelta(session_id=session.session_id, start=start, tokens=committed[start:],
                                                 request_id=session.request_id)
@@ -468,16 +481,14 @@ class WorkerClient:
                     if session.deadline is not None and loop.time() >= session.deadline:
                         # The client's deadline ran out, not the replica: leave it in the pool.
                         raise DeadlineExceeded(f"deadline exceeded during a {self.kind} round") from exc
-                    busy = exc.code() == BUSY
-                    if busy:
-                        if await self._move_off_busy(session, replica, last_error):
+                    busy_here = busy(exc)
+                    if busy_here:
+                        last_try = attempt >= (self.retries if self.patient else 1)
+                        if not last_try and self._move_off_busy(session, replica, last_error):
                             start = 0
                             if not moved_at_once:  # the first move needs no back-off; the next ones do
                                 moved_at_once = True
                                 attempt += 1
-                                if attempt > (self.retries if self.patient else 1):
-                                    raise ResourceExhausted(f"{self.kind} workers too busy after {attempt} "
-                                                            f"attempts ({last_error})") from exc
                                 continue
                         elif not self.patient:  # no waiting for a suggestion: the target decodes alone
                             raise ResourceExhausted(f"{self.kind} workers too busy ({last_error})") from exc
@@ -491,7 +502,7 @@ class WorkerClient:
                         # two disagree (versions, limits), not that the client erred.
                         raise FailedPrecondition(f"{self.kind} worker {replica.address} refused a round: "
                                                  f"{exc.code().name}: {exc.details()}") from exc
-                    if not busy:
+                    if not busy_here:
                         self.pool.mark_failed(replica.address)
                 else:
                     self.pool.succeeded(replica.address)
@@ -509,17 +520,17 @@ class WorkerClient:
                     self.round_times.observe(loop.time() - began)
                     return getattr(response, kind)
             if attempt >= (self.retries if self.patient else 1) or (replica is None and not self.patient):
-                if busy:
+                if busy_here:
                     raise ResourceExhausted(f"{self.kind} workers too busy after {attempt + 1} attempts "
                                             f"({last_error})")
                 raise Unavailable(f"{self.kind} workers unavailable after {attempt + 1} attempts ({last_error})")
             await asyncio.sleep(self.backoff_s * (2 ** attempt))
             attempt += 1
 
-    async def _move_off_busy(self, session: WorkerSession, replica: Replica, reason: str) -> bool:
+    def _move_off_busy(self, session: WorkerSession, replica: Replica, reason: str) -> bool:
         """A round `replica` was too full for: the session moves to the least loaded other
-        serving replica, its copy here released (True), or stays where there is none
-        (False). Neither counts against `replica`."""
+        serving replica (True), its copy on `replica` released in the background, or stays
+        where there is none (False). Neither counts against `replica`."""
         other = self.pool.alternative(session.session_id, replica.address)
         outcome = "moved" if other is not None else "retried" if self.patient else "skipped"
         metrics.BUSY_ROUNDS.labels(self.kind, outcome).inc()
@@ -534,8 +545,10 @@ class WorkerClient:
         session.replica = other.address
         session.used.add(other.address)
         session.moves += 1
-        await self._release_on(replica, session.session_id)
-        session.used.discard(replica.address)
+        batcher = self._batchers.get(replica.address)
+        if batcher is not None:
+            batcher.forget(session.key)  # its next step need not wait for this session
+        self._release_loser(None, replica.address, session)
         return True
 
     # --- hedged rounds (coordinator.hedging) ---------------------------------------------
@@ -665,21 +678,23 @@ class WorkerClient:
         if session.deadline is not None and asyncio.get_running_loop().time() >= session.deadline:
             return
         code = exc.code() if isinstance(exc, (grpc.aio.AioRpcError, RoundFailed)) else None
-        if code in TRANSIENT or code in REPLICA_FAULT:  # not BUSY: a full replica is healthy
+        if (code in TRANSIENT or code in REPLICA_FAULT) and not busy(exc):  # a full replica is healthy
             self.pool.mark_failed(replica.address)
 
-    def _release_loser(self, call: asyncio.Future, address: str, session: WorkerSession) -> None:
+    def _release_loser(self, call: asyncio.Future | None, address: str, session: WorkerSession) -> None:
         """Cancels a hedged round's losing call and, in the background, frees what it may
         have left of the session on `address`: once the call is over and no step in flight
         there carries the round (StepBatcher.settled), so the Release cannot overtake it;
-        never while the session lives there (its own release frees it then)."""
-        if not call.done():
+        never while the session lives there (its own release frees it then). call: None for
+        a session that moved off a busy replica."""
+        if call is not None and not call.done():
             call.cancel()
         if address != session.replica:
             session.used.discard(address)
 
         async def release() -> None:
-            await asyncio.gather(call, return_exceptions=True)
+            if call is not None:
+                await asyncio.gather(call, return_exceptions=True)
             batcher = self._batchers.get(address)
             if batcher is not None:
                 try:

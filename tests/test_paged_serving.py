@@ -189,8 +189,26 @@ def test_a_full_pool_refuses_the_request_without_failing_the_replica(target, tok
     error, (healthy, failures, ejected), served, retried = run(scenario())
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "busy" in error.details()
     assert healthy and failures == 0 and not ejected
-    assert retried == 3  # its first try and two retries, all there
+    assert retried == 2  # its first try and first retry were retried there; the last failed
     assert list(served.token_ids) == expected(target, tokenizer, short)
+
+
+def test_only_a_round_the_worker_refused_for_room_is_busy():
+    # A worker's own refusal of one round (its RoundError, or an unbatched call it answered)
+    # is load; a whole call over gRPC's message size, or a batched step failing as a whole,
+    # is not, and stays a replica fault.
+    from grpc.aio import AioRpcError, Metadata
+
+    from coordinator.scheduler import RoundFailed
+    from coordinator.workers import busy
+
+    exhausted = grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert busy(RoundFailed(exhausted, "KV pool exhausted", refused=True))
+    assert not busy(RoundFailed(exhausted, "the whole step failed"))
+    assert not busy(RoundFailed(grpc.StatusCode.INTERNAL, "boom", refused=True))
+    assert busy(AioRpcError(exhausted, Metadata(), Metadata(), details="KV pool exhausted"))
+    assert not busy(AioRpcError(exhausted, Metadata(), Metadata(),
+                                details="Received message larger than max (5000000 vs. 4194304)"))
 
 
 def test_a_session_refused_by_a_full_replica_moves_to_another(target, tokenizer):
