@@ -173,6 +173,11 @@ class FeatureLog:
         return bytes(self.data[first * self.row:end * self.row])
 
 
+class Rechunk(Exception):
+    """A round's session must be resent from `session.sent` (a fault, a move, a resync), and
+    that is more than one chunk: the caller prefills it in chunks again (TargetClient.verify)."""
+
+
 class WorkerClient:
     kind = ""
     service_name = ""
@@ -452,9 +457,12 @@ class WorkerClient:
             session.used.add(replica.address)
         return replica
 
-    async def _round(self, session: WorkerSession, committed: list[int], make_request, method: str):
+    async def _round(self, session: WorkerSession, committed: list[int], make_request, method: str,
+                     chunk: int | None = None):
         """One round's call: a delta from what the worker holds, resending on request,
-        moving to another replica and retrying on transient failures (bounded)."""
+        moving to another replica and retrying on transient failures (bounded). With
+        `chunk`, a resend of more than chunk + 1 tokens raises Rechunk instead of going as
+        one round (its start recorded in session.sent)."""
         loop = asyncio.get_running_loop()
         began = loop.time()
         attempt = resyncs = 0
@@ -463,6 +471,9 @@ class WorkerClient:
         last_error = "no replica is healthy"
         hedges = session.hedges  # a round is hedged at most once, whatever its attempts
         while True:
+            if chunk is not None and len(committed) - start > chunk + 1:
+                session.sent = start
+                raise Rechunk()
             replica = await self._replica(session, attempt)
             busy_here = False  # this attempt's replica was too full for the round
             if replica is not None:
@@ -832,22 +843,32 @@ class TargetClient(WorkerClient):
         draft_next, a target worker that runs a head (`head`) drafts the next round's block
         (Verdict.next_drafts)."""
         wanted = features is not None
-        if self.batching:
-            # Chunked prefill: a long run of committed tokens (a new prompt, a resync) goes
-            # prefill_chunk tokens per step, so it never makes one step long for every other
-            # request in it. The target's answers to the partial prefixes are not used.
-            while len(committed) - min(session.sent, len(committed) - 1) > self.prefill_chunk + 1:
-                end = min(session.sent, len(committed) - 1) + self.prefill_chunk
-                partial = await self._round(
-                    session, committed[:end],
-                    lambda delta: target_pb2.VerifyRequest(delta=delta, return_features=wanted), "Verify")
-                if wanted:
-                    features.put(partial.feature_start, partial.features)
-        verdict = await self._round(
-            session, committed,
-            lambda delta: target_pb2.VerifyRequest(delta=delta, draft_tokens=drafts, sampling=sampling,
-                                                   return_features=wanted, draft_next=draft_next), "Verify",
-        )
+        # Chunked prefill: a long run of committed tokens (a new prompt, or the whole context
+        # again after a fault, a move or an eviction) goes prefill_chunk tokens per step, so
+        # it never makes one step long for every other request in it. The target's answers
+        # to the partial prefixes are not used. A resend found mid-round starts the chunks
+        # over (Rechunk), a bounded number of times; then it goes whole.
+        rechunks = 0
+        while True:
+            chunk = self.prefill_chunk if self.batching and rechunks <= self.retries else None
+            try:
+                while chunk is not None and len(committed) - min(session.sent, len(committed) - 1) > chunk + 1:
+                    end = min(session.sent, len(committed) - 1) + chunk
+                    partial = await self._round(
+                        session, committed[:end],
+                        lambda delta: target_pb2.VerifyRequest(delta=delta, return_features=wanted), "Verify",
+                        chunk)
+                    if wanted:
+                        features.put(partial.feature_start, partial.features)
+                verdict = await self._round(
+                    session, committed,
+                    lambda delta: target_pb2.VerifyRequest(delta=delta, draft_tokens=drafts, sampling=sampling,
+                                                           return_features=wanted, draft_next=draft_next),
+                    "Verify", chunk)
+            except Rechunk:
+                rechunks += 1
+                continue
+            break
         if wanted:
             features.put(verdict.feature_start, verdict.features)
         return verdict

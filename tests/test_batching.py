@@ -600,3 +600,39 @@ def test_a_long_prompt_is_prefilled_in_chunks_between_other_requests_steps(targe
     long_session = rounds[0][0] if rounds[0][2] == 32 else next(s for s, _, n in rounds if n == 32)
     chunks = [(start, n) for s, start, n in rounds if s == long_session]
     assert chunks[0] == (0, 32) and chunks[1] == (32, 32)
+
+
+def test_a_context_resent_after_its_session_was_lost_goes_in_chunks(target, tokenizer):
+    # Mid-request the worker loses the long request's session (a restart, an eviction): it
+    # asks for the whole context again, and that context comes back chunk by chunk, not as
+    # one round that would make a step long for every request in it.
+    long_prompt = " ".join(PROMPTS * 2)
+
+    async def scenario():
+        async with running_stack(target, tokenizer, draft=NGRAM, prefill_chunk_tokens=32) as stack:
+            sent = []
+            verifier = stack.target_servicer.verifier
+            verify = verifier.verify_batch
+            lost = []
+
+            def losing(rounds):
+                for r in rounds:
+                    if not lost and r.start > 3 * 32 and len(sent) > 6:  # decoding, well past the prompt
+                        lost.append(r.start)
+                        verifier.store.release(r.session_id)
+                sent.append([(r.start, len(r.tokens)) for r in rounds])
+                return verify(rounds)
+
+            verifier.verify_batch = losing
+            async with Client(stack.address) as client:
+                result = await client.complete(make_request(long_prompt, max_new_tokens=MAX_NEW))
+            return sent, lost, result
+
+    sent, lost, result = run(scenario())
+    assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, long_prompt), MAX_NEW)
+    assert lost, "the session was never lost"
+    rounds = [r for step in sent for r in step]
+    resent = rounds[next(i for i, (start, _) in enumerate(rounds) if start == lost[0]) + 1:]
+    assert resent[0] == (0, 32) and resent[1] == (32, 32)  # the whole context again, in chunks
+    assert max(n for _, n in rounds) <= 32 + 1  # never more than a chunk (and the last piece)
+
