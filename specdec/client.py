@@ -151,6 +151,10 @@ class Client:
                     if response.finish_reason:
                         response.stats.resumes = resumes
                     yield response
+                    if response.finish_reason:
+                        # The request is complete: a stream that breaks after its last
+                        # message (a coordinator killed before the status) is not resumed.
+                        return
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in RESUMABLE or resumes >= resume.attempts or pushed_back(exc):

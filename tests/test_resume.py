@@ -20,6 +20,7 @@ from coordinator import service as coordinator_service
 from specdec.client import NO_RESUME, Client, Resume, make_request
 from specdec.config import CoordinatorConfig, ServerConfig
 from specdec.models import NGRAM
+from specdec.v1 import coordinator_pb2
 from tests.factories import make_tiny_model, save_model_dir
 from tests.harness import LOOPBACK, reference_greedy, reference_sample, run, running_stack
 from tests.test_services import PROMPTS, Gate, chat_ids, other_draft, target, tokenizer  # noqa: F401 (fixtures)
@@ -322,3 +323,35 @@ def listening_address(process: subprocess.Popen) -> str:
         if "listening on" in line and "coordinator" in line.lower():
             return line.rsplit(" ", 1)[-1].strip()
     raise AssertionError("the coordinator did not start:\n" + "".join(lines))
+
+
+def test_a_stream_that_breaks_after_its_last_message_is_complete():
+    """The coordinator wrote the finishing message, then died before the stream's status: the
+    client has the whole answer and resumes nothing (a resume would be refused: nothing is
+    left to generate)."""
+    from specdec.v1 import coordinator_pb2_grpc
+
+    calls = []
+
+    class Finished(coordinator_pb2_grpc.CoordinatorServicer):
+        async def Generate(self, request, context):
+            calls.append(list(request.resume_token_ids))
+            yield coordinator_pb2.GenerateResponse(token_ids=[5, 6], text="ab", request_id="r")
+            yield coordinator_pb2.GenerateResponse(token_ids=[7], text="c",
+                                                   finish_reason=coordinator_pb2.FINISH_REASON_LENGTH)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "killed after its last message")
+
+    async def scenario():
+        server = grpc.aio.server()
+        coordinator_pb2_grpc.add_CoordinatorServicer_to_server(Finished(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with Client(f"127.0.0.1:{port}") as client:
+                return await client.complete(make_request("hi", max_new_tokens=3))
+        finally:
+            await server.stop(grace=0)
+
+    result = run(scenario())
+    assert result.token_ids == [5, 6, 7] and result.text == "abc"
+    assert result.finish_reason == "FINISH_REASON_LENGTH" and calls == [[]]
