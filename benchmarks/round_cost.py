@@ -13,8 +13,12 @@ Side by side in one run, speculation off (one token per round, so a round is one
 - **services**: `specdec serve target|draft|coordinator` as three processes on loopback
   (plaintext links), B clients streaming at once through specdec's gRPC client; the
   coordinator sends each step as a message on one stream per worker replica.
-- **services (unary)**: the same workers behind a second coordinator started with
-  `--no-worker-streams`, which sends each step as a unary VerifyBatch call.
+  The target worker runs each request's rounds ahead of the coordinator (`--run-ahead`,
+  default 8: the coordinator sends one round in nine and commits the others as they stream in).
+- **services (no run-ahead)**: the same workers behind a coordinator started with
+  `--run-ahead 0`, which sends every round itself.
+- **services (unary)**: the same workers behind a coordinator started with
+  `--no-worker-streams`, which sends each step as a unary VerifyBatch call (no run-ahead).
 - **up (mTLS)**: `specdec up` — coordinator and target worker in one process, the worker
   links on mutual TLS — the same clients.
 - **services (baseline)**, with `--baseline DIR`: a coordinator run from another checkout
@@ -51,7 +55,9 @@ from specdec.bench.services import SpecdecUp  # noqa: E402
 from specdec.client import Client, make_request  # noqa: E402
 
 PROMPT = "Count slowly from one to one hundred, one number per line."
-MODES = ("worker loop", "services", "services (unary)", "up (mTLS)")
+MODES = ("worker loop", "services", "services (no run-ahead)", "services (unary)", "up (mTLS)")
+COORDINATORS = {"services": "coordinator", "services (no run-ahead)": "coordinator-lockstep",
+                "services (unary)": "coordinator-unary", "services (baseline)": "coordinator-baseline"}
 
 
 def worker_loop(model_dir: str, batch: int, rounds: int, threads: int) -> dict:
@@ -125,7 +131,8 @@ def start_services(model_dir: str, threads: int, workdir: Path, baseline: Path |
     ("coordinator-baseline") run from that source tree."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    names = ("target", "draft", "coordinator", "coordinator-unary") + (("coordinator-baseline",) if baseline else ())
+    names = (("target", "draft", "coordinator", "coordinator-lockstep", "coordinator-unary")
+             + (("coordinator-baseline",) if baseline else ()))
     ports = {name: free_port() for name in names}
     common = ["--host", "127.0.0.1", "--grace-period", "1"]
     links = ["--target-addr", f"127.0.0.1:{ports['target']}", "--draft-addr", f"127.0.0.1:{ports['draft']}",
@@ -134,6 +141,8 @@ def start_services(model_dir: str, threads: int, workdir: Path, baseline: Path |
         "target": ["serve", "target", "--port", str(ports["target"]), "--model", model_dir, *common],
         "draft": ["serve", "draft", "--port", str(ports["draft"]), "--model", "ngram", *common],
         "coordinator": ["serve", "coordinator", "--port", str(ports["coordinator"]), *common, *links],
+        "coordinator-lockstep": ["serve", "coordinator", "--port", str(ports["coordinator-lockstep"]), *common,
+                                 *links, "--run-ahead", "0"],
         "coordinator-unary": ["serve", "coordinator", "--port", str(ports["coordinator-unary"]), *common, *links,
                               "--no-worker-streams"],
     }
@@ -187,8 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                     if mode == "worker loop":
                         run = worker_loop(model_dir, batch, args.rounds, args.threads)
                     elif mode.startswith("services"):
-                        coordinator = services[{"services": "coordinator", "services (unary)": "coordinator-unary",
-                                                "services (baseline)": "coordinator-baseline"}[mode]]
+                        coordinator = services[COORDINATORS[mode]]
                         run = loop.run_until_complete(through(f"127.0.0.1:{coordinator.port}", batch, args.rounds,
                                                               coordinator.pid))
                     else:
@@ -215,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             row[mode]["vs_worker_loop"] = row[mode]["tokens_per_s"] / row["worker loop"]["tokens_per_s"]
         row["services"]["vs_unary_split"] = (row["services"]["split_ms_per_round"]
                                              / row["services (unary)"]["split_ms_per_round"])
+        row["services"]["vs_no_run_ahead_tokens_per_s"] = (row["services"]["tokens_per_s"]
+                                                           / row["services (no run-ahead)"]["tokens_per_s"])
         if baseline is not None:
             row["services"]["vs_baseline_split"] = (row["services"]["split_ms_per_round"]
                                                     / row["services (baseline)"]["split_ms_per_round"])
@@ -228,18 +238,23 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# The split's cost per round — {report['machine'].get('cpu_model', '')}", "",
              f"`{report['command']}`; speculation off (one token per round), {args.rounds} rounds per session, "
              f"medians of {args.repeats} alternating repeats, {args.threads} torch thread(s) per process.", "",
-             "Services: steps on one stream per worker replica; services (unary): the same workers behind a "
-             "coordinator with `--no-worker-streams` (one VerifyBatch call per step).", "",
-             "| B | worker loop ms/step | services ms/round | split ms/round | services (unary) ms/round | "
+             "Services: steps on one stream per worker replica, the target running each request's rounds ahead "
+             "(`--run-ahead 8`); no run-ahead: the same workers behind a coordinator with `--run-ahead 0`; "
+             "services (unary): behind one with `--no-worker-streams` (one VerifyBatch call per step).", "",
+             "| B | worker loop ms/step | services ms/round | split ms/round | no run-ahead ms/round | "
+             "split ms/round | services (unary) ms/round | "
              "split ms/round | up (mTLS) ms/round | split ms/round | services tok/s vs worker loop | "
-             "coordinator CPU µs per request-round |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "services tok/s vs no run-ahead | coordinator CPU µs per request-round |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for batch, row in summary.items():
         lines.append(f"| {batch} | {row['worker loop']['ms_per_round']:.2f} | {row['services']['ms_per_round']:.2f} | "
                      f"{row['services']['split_ms_per_round']:+.2f} | "
+                     f"{row['services (no run-ahead)']['ms_per_round']:.2f} | "
+                     f"{row['services (no run-ahead)']['split_ms_per_round']:+.2f} | "
                      f"{row['services (unary)']['ms_per_round']:.2f} | "
                      f"{row['services (unary)']['split_ms_per_round']:+.2f} | {row['up (mTLS)']['ms_per_round']:.2f} | "
                      f"{row['up (mTLS)']['split_ms_per_round']:+.2f} | {row['services']['vs_worker_loop']:.2f} | "
+                     f"{row['services']['vs_no_run_ahead_tokens_per_s']:.2f} | "
                      f"{row['services']['coordinator_cpu_us_per_round']:.0f} |")
     if baseline is not None:
         lines += ["", f"Baseline: a coordinator run from `{baseline}` before the same workers, steps on streams.", "",

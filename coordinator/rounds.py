@@ -109,8 +109,12 @@ class Generation:
     stopper: StopMatcher
     stats: Stats = field(default_factory=Stats)
     finish: int = UNFINISHED
+    answered: int = 0  # responses sent to the client
     ahead: list[int] = field(default_factory=list)  # with a head on the target: its draft for this round
     ahead_asked: tuple[int, bool] = (0, False)  # the adaptive controller's (k, probing) that draft answered
+    # The controller's (k, probing) for the head's next block, decided while the target ran
+    # the rounds ahead and not yet used by a round (None: none pending).
+    decided: tuple[int, bool] | None = None
 
     @property
     def done(self) -> bool:
@@ -148,8 +152,10 @@ class RoundRunner:
         straight to the target, it is queued even before this round's text is decoded, and
         the rest waits for the step carrying it to leave; a stop string found in that text
         then finishes the request and cancels the round (sent, it still runs on the worker,
-        and the session is released after it). A request runs at most one round ahead of
-        its client."""
+        and the session is released after it). The coordinator runs at most one round ahead
+        of its client; a target replica running the rounds ahead (TargetClient.verify) runs
+        at most `run_ahead` rounds past the last one the coordinator sent, their verdicts
+        waiting here until committed."""
         gen = self._start(plan)
         ahead: asyncio.Task | None = None
         try:
@@ -161,15 +167,33 @@ class RoundRunner:
                     ahead = None
                 self._record(gen, drafts, verdict, asked)
                 new = self._commit(gen, drafts, verdict)
-                if not gen.done and self._straight_to_target(gen):
-                    # Its next round queues at once, and the work below waits for the step
-                    # carrying it to leave: under load that step waits for every request it
-                    # answered, so what each one does for its client runs while it computes.
-                    ahead = asyncio.get_running_loop().create_task(self._round(gen))
-                    await self.target.step_left(gen.target)
-                text, new = self._stream(gen, new)
-                self._observe(gen, drafts, verdict, new)
+                if self.target.running_ahead(gen.target):
+                    # Its next round is the replica's: nothing to queue. Rounds it ran whose
+                    # verdicts are here already go in the same response, each committed and
+                    # streamed in turn (a stop string ends them): a coordinator that falls
+                    # behind writes less, not later.
+                    text, new = self._stream(gen, new)
+                    self._observe(gen, drafts, verdict, new, first=gen.answered == 0)
+                    while not gen.done and self._keeps_running(gen):
+                        ran = await self._ran_ahead(gen, wait=False)
+                        if ran is None:
+                            break
+                        drafts, asked, verdict = ran
+                        self._record(gen, drafts, verdict, asked)
+                        more_text, more = self._stream(gen, self._commit(gen, drafts, verdict))
+                        self._observe(gen, drafts, verdict, more)
+                        text, new = text + more_text, new + more
+                else:
+                    if not gen.done and self._straight_to_target(gen):
+                        # Its next round queues at once, and the work below waits for the step
+                        # carrying it to leave: under load that step waits for every request it
+                        # answered, so what each one does for its client runs while it computes.
+                        ahead = asyncio.get_running_loop().create_task(self._round(gen))
+                        await self.target.step_left(gen.target)
+                    text, new = self._stream(gen, new)
+                    self._observe(gen, drafts, verdict, new, first=gen.answered == 0)
                 response = self._response(gen, new, text)
+                gen.answered += 1
                 if ahead is None and not gen.done:
                     ahead = asyncio.get_running_loop().create_task(self._round(gen))
                 yield response
@@ -186,9 +210,53 @@ class RoundRunner:
         return not gen.use_draft or (gen.plan.speculate and self.target.runs_head(gen.target))
 
     async def _round(self, gen: Generation) -> tuple[list[int], tuple[int, bool] | None, target_pb2.Verdict]:
-        """One round: its drafts, the controller's (k, probing) they answer, the verdict."""
+        """One round: its drafts, the controller's (k, probing) they answer, the verdict.
+        Where the target replica runs the request's rounds ahead, the round is the next one
+        it ran: committed only if it continues the sequence held here."""
+        if self._keeps_running(gen):
+            ran = await self._ran_ahead(gen)
+            if ran is not None:
+                return ran
+        self.target.end_run(gen.target)
         drafts, asked, draft_next = await self._draft(gen)
         return drafts, asked, await self._verify(gen, drafts, draft_next)
+
+    def _keeps_running(self, gen: Generation) -> bool:
+        """Whether the request's next round is the one the target replica runs ahead. With a
+        head, the adaptive controller still decides every round's next block, as _head_draft
+        would. Another k than the run's goes to the replica (TargetClient.change_run) and the
+        run goes on: its next round is computed already, so the new k drafts from the one
+        after (the decision comes a round later than without a run, and no round is thrown
+        away). A probe ends the run: it goes with the round the coordinator then sends."""
+        if not self.target.running_ahead(gen.target):
+            return False
+        if not (gen.plan.speculate and self.target.runs_head(gen.target)):
+            return True  # nothing is drafted: nothing to decide
+        if gen.decided is None:
+            k = gen.adaptive.next_k(self.target.draft_token_cost(gen.target), self.target.head_cost(gen.target))
+            gen.decided = (k, gen.adaptive.probing)
+        if gen.decided == (gen.ahead_asked[0], False):
+            return True
+        if not gen.decided[1] and self.target.change_run(gen.target, gen.decided[0]):
+            gen.ahead_asked = gen.decided
+            return True
+        self.target.end_run(gen.target)
+        return False
+
+    async def _ran_ahead(self, gen: Generation, wait: bool = True):
+        """The next round the target replica ran ahead (wait=False: only one already here),
+        as _round returns it, if it continues the sequence held here; None otherwise (the
+        run then ends, or goes on when nothing was here yet)."""
+        ran = await self.target.next_ahead(gen.target, len(gen.committed), wait)
+        if ran is None:
+            return None
+        verdict = ran.result.verdict
+        gen.ahead = list(verdict.next_drafts)
+        gen.decided = None  # the run's round followed the decision
+        metrics.ROUNDS_RUN_AHEAD.inc()
+        # Drafted by the head with the k the worker says (the head drafts from the target's
+        # own vocabulary: nothing for _valid to cut); a run never probes.
+        return list(ran.draft_tokens), (ran.drafted_with, False), verdict
 
     def _start(self, plan: GenerationPlan) -> Generation:
         base = uuid.uuid4().hex
@@ -240,9 +308,11 @@ class RoundRunner:
         in this round's step, which its drafting time lengthens (measured by the worker)."""
         drafts = self._valid(gen.ahead[:max(0, gen.draft_room)])
         asked = gen.ahead_asked
-        draft_next = gen.adaptive.next_k(self.target.draft_token_cost(gen.target), self.target.head_cost(gen.target))
-        gen.ahead_asked = (gen.adaptive.asked, gen.adaptive.probing)
-        return drafts, asked, draft_next
+        if gen.decided is None:
+            k = gen.adaptive.next_k(self.target.draft_token_cost(gen.target), self.target.head_cost(gen.target))
+            gen.decided = (k, gen.adaptive.probing)
+        gen.ahead_asked, gen.decided = gen.decided, None
+        return drafts, asked, gen.ahead_asked[0]
 
     def _choose_k(self, gen: Generation) -> int:
         """Draft tokens to ask the draft worker for (coordinator.adaptive). Under load a draft
@@ -258,7 +328,12 @@ class RoundRunner:
         return k
 
     async def _verify(self, gen: Generation, drafts: list[int], draft_next: int) -> target_pb2.Verdict:
-        verdict = await self.target.verify(gen.target, gen.committed, drafts, gen.sampling, gen.features, draft_next)
+        # A round whose successors need nothing but its verdict may run ahead on the replica,
+        # unless the head's next block is the adaptive controller's probe (asked once, not
+        # once per round of a run).
+        room = gen.draft_room + 1 if self._straight_to_target(gen) and not gen.ahead_asked[1] else 0
+        verdict = await self.target.verify(gen.target, gen.committed, drafts, gen.sampling, gen.features, draft_next,
+                                           room, gen.plan.eos_ids)
         gen.ahead = list(verdict.next_drafts)
         return verdict
 
@@ -305,8 +380,9 @@ class RoundRunner:
         return out, finish
 
     @staticmethod
-    def _observe(gen: Generation, drafts: list[int], verdict: target_pb2.Verdict, new: list[int]) -> None:
-        """The round in the coordinator's metrics."""
+    def _observe(gen: Generation, drafts: list[int], verdict: target_pb2.Verdict, new: list[int],
+                 first: bool = False) -> None:
+        """The round in the coordinator's metrics; first: the request's first round."""
         if verdict.extra_tokens:
             metrics.ALTERNATIVE_TOKENS.inc(max(0, len(new) - verdict.accepted))
         metrics.ROUNDS.inc()
@@ -317,7 +393,7 @@ class RoundRunner:
         metrics.GENERATED_TOKENS.inc(len(new))
         metrics.vllm.round(len(drafts), verdict.accepted)
         metrics.vllm.generation_tokens.inc(len(new))
-        if gen.stats.rounds == 1:
+        if first:
             metrics.TTFT.observe(gen.stats.first_token_at - gen.stats.started)
             metrics.vllm.ttft.observe(gen.stats.first_token_at - gen.stats.started)
 
@@ -347,7 +423,7 @@ class RoundRunner:
     @staticmethod
     def _response(gen: Generation, new: list[int], text: str) -> coordinator_pb2.GenerateResponse:
         response = coordinator_pb2.GenerateResponse(text=text, token_ids=new)
-        if gen.stats.rounds == 1:  # what a client needs to resume the request
+        if gen.answered == 0:  # what a client needs to resume the request
             response.request_id = gen.plan.request_id
             response.seed = gen.plan.sampling.seed
         if gen.done:

@@ -198,6 +198,7 @@ async def connect(config: CoordinatorConfig, tokenizer=None, startup_timeout_s: 
                        ejection=EjectionPolicy(config.eject_after_failures, config.eject_base_s, config.eject_max_s,
                                                config.max_ejected_percent))
     target = TargetClient(config.target_addr, prefill_chunk=config.prefill_chunk_tokens,
+                          run_ahead=config.run_ahead_rounds,
                           tls=config.worker_channel_tls("target"),
                           hedging=HedgePolicy(config.hedge_percentile, config.hedge_factor, config.hedge_min_s,
                                               config.hedge_max_share), **client_args)

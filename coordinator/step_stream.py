@@ -14,7 +14,10 @@ of coordinator.workers cannot tell the two apart):
 - a stream that breaks fails every step pending on it UNAVAILABLE, and the next step opens
   a new stream;
 - a worker answering UNIMPLEMENTED predates the streams: the stream is `unsupported` for
-  good and its pending steps raise StreamUnsupported, for the caller to send as unary calls.
+  good and its pending steps raise StreamUnsupported, for the caller to send as unary calls;
+- a message answering no step (step_id 0: rounds the worker ran ahead, target_worker.run_ahead)
+  goes to `unsolicited`, and the end of each stream is told to `ended` after its pending
+  steps failed.
 
 Per step: one future and one timer, no task; one reader task per open stream.
 """
@@ -76,10 +79,14 @@ class _Open:
 class StepStream:
     """The step stream to one replica."""
 
-    def __init__(self, open_call: Callable[[], object], name: str, channel: object = None):
+    def __init__(self, open_call: Callable[[], object], name: str, channel: object = None,
+                 unsolicited: Callable[[object], None] | None = None, ended: Callable[[], None] | None = None):
         """open_call() starts the stream's call (e.g. stub.VerifyStream); name: the replica,
-        for messages; channel: the channel it runs on (a new channel needs a new stream)."""
+        for messages; channel: the channel it runs on (a new channel needs a new stream);
+        unsolicited(response) sees each message with step_id 0; ended() each stream's end."""
         self._open_call = open_call
+        self._unsolicited = unsolicited
+        self._on_end = ended
         self.name = name
         self.channel = channel
         self._open: _Open | None = None
@@ -129,6 +136,10 @@ class StepStream:
                 response = await opened.call.read()
                 if response is grpc.aio.EOF:
                     break
+                if not response.step_id:
+                    if self._unsolicited is not None:
+                        self._unsolicited(response)
+                    continue
                 future = opened.pending.pop(response.step_id, None)
                 if future is not None and not future.done():
                     future.set_result(response)
@@ -155,6 +166,8 @@ class StepStream:
             if not future.done():
                 future.set_exception(error)
         opened.pending.clear()
+        if self._on_end is not None:
+            self._on_end()
 
     async def close(self) -> None:
         """Ends the open stream, failing its pending steps UNAVAILABLE."""

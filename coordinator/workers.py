@@ -286,8 +286,11 @@ class WorkerClient:
             stream = self._streams.get(replica.address)
             if stream is None or stream.channel is not replica.channel:
                 stub = self.stub(replica)
-                stream = self._streams[replica.address] = StepStream(
-                    lambda: self._open_stream(stub), f"{self.kind} replica {replica.address}", replica.channel)
+                address = replica.address
+                stream = self._streams[address] = StepStream(
+                    lambda: self._open_stream(stub), f"{self.kind} replica {address}", replica.channel,
+                    unsolicited=lambda response: self._unsolicited(address, response),
+                    ended=lambda: self._stream_ended(address))
             if not stream.unsupported:
                 loop = asyncio.get_running_loop()
                 began = loop.time()
@@ -313,6 +316,12 @@ class WorkerClient:
 
     def _on_step(self, address: str, response, requests: list) -> None:
         """Sees each batched step's response (the target learns its step costs)."""
+
+    def _unsolicited(self, address: str, response) -> None:
+        """Sees a message of the replica's step stream that answers no step."""
+
+    def _stream_ended(self, address: str) -> None:
+        """The replica's step stream ended (it broke, or was closed)."""
 
     @staticmethod
     def _round_tokens(request) -> int:
@@ -764,8 +773,11 @@ class TargetClient(WorkerClient):
     def _make_stub(self, channel):
         return target_pb2_grpc.TargetWorkerStub(channel)
 
-    def finished(self, session: WorkerSession) -> None:
-        """The generation ended: no step waits for its next round."""
+    def finished(self, session: WorkerSession, keep_run: bool = False) -> None:
+        """The generation ended: no step waits for its next round, and (unless keep_run) no
+        round run ahead for it is waited for."""
+        if not keep_run:
+            self._runs.pop(session.session_id, None)
         batcher = self._batchers.get(session.replica) if session.replica else None
         if batcher is not None:
             batcher.forget(session.key)
@@ -777,8 +789,14 @@ class TargetClient(WorkerClient):
         if batcher is not None:
             await batcher.gathered()
 
-    def __init__(self, *args, prefill_chunk: int = 256, hedging: HedgePolicy | None = None, **kwargs):
+    def __init__(self, *args, prefill_chunk: int = 256, hedging: HedgePolicy | None = None, run_ahead: int = 0,
+                 **kwargs):
         super().__init__(*args, **kwargs)
+        # Rounds a replica may run by itself after a round that goes straight to it (see
+        # verify and next_ahead), and the sessions whose rounds run ahead.
+        self.run_ahead = run_ahead
+        self._runs: dict[str, _AheadRun] = {}
+        self._stream_ends: dict[str, int] = {}  # per replica address, its step streams that ended
         # Longest run of committed tokens one round sends while batching (see verify).
         self.prefill_chunk = prefill_chunk
         if hedging is not None and hedging.enabled:
@@ -805,13 +823,18 @@ class TargetClient(WorkerClient):
         return stub.VerifyBatch
 
     def _on_step(self, address: str, response, requests: list) -> None:
-        drafts = sum(len(r.draft_tokens) for r in requests)
-        drafting = sum(1 for r in requests if r.draft_tokens)
+        # The rounds the replica ran ahead in the same step share its rows and time.
+        self._observe_step(address, response, len(requests) + response.ahead_rounds,
+                           sum(len(r.draft_tokens) for r in requests) + response.ahead_drafts,
+                           sum(1 for r in requests if r.draft_tokens) + response.ahead_drafting,
+                           sum(1 for r in requests if r.draft_next) + response.ahead_head_rounds)
+
+    def _observe_step(self, address: str, response, rounds: int, drafts: int, drafting: int, asking: int) -> None:
         model = self.costs.get(address)
         if model is None:
             model = self.costs[address] = StepCostModel()
-        model.observe(response.rows, response.step_s, len(requests), drafts, drafting, response.draft_s)
-        model.observe_head(response.draft_s, len(requests), sum(1 for r in requests if r.draft_next))
+        model.observe(response.rows, response.step_s, rounds, drafts, drafting, response.draft_s)
+        model.observe_head(response.draft_s, rounds, asking)
 
     @staticmethod
     def _round_tokens(request) -> int:
@@ -838,11 +861,16 @@ class TargetClient(WorkerClient):
 
     async def verify(self, session: WorkerSession, committed: list[int], drafts: list[int],
                      sampling: common_pb2.SamplingParams | None = None,
-                     features: FeatureLog | None = None, draft_next: int = 0) -> target_pb2.Verdict:
+                     features: FeatureLog | None = None, draft_next: int = 0, token_room: int = 0,
+                     stop_ids: frozenset[int] = frozenset()) -> target_pb2.Verdict:
         """One round; with `features`, the verdicts' target features go into it; with
         draft_next, a target worker that runs a head (`head`) drafts the next round's block
-        (Verdict.next_drafts)."""
+        (Verdict.next_drafts). With token_room (the tokens the request may still commit, this
+        round's included; 0: its next round needs more than this verdict, e.g. a draft
+        worker), the replica may run the session's next rounds by itself (`run_ahead`,
+        target_worker.run_ahead): `running_ahead` then says so, and `next_ahead` gives each."""
         wanted = features is not None
+        ahead = self.run_ahead if (self.batching and self.streams and not wanted and token_room > 1) else 0
         # Chunked prefill: a long run of committed tokens (a new prompt, or the whole context
         # again after a fault, a move or an eviction) goes prefill_chunk tokens per step, so
         # it never makes one step long for every other request in it. The target's answers
@@ -860,15 +888,146 @@ class TargetClient(WorkerClient):
                         chunk)
                     if wanted:
                         features.put(partial.feature_start, partial.features)
+                # Registered before the round goes: what the replica runs ahead may come at once.
+                run = _AheadRun(ends=dict(self._stream_ends)) if ahead else None
+                if run is not None:
+                    self._runs[session.session_id] = run
                 verdict = await self._round(
                     session, committed,
                     lambda delta: target_pb2.VerifyRequest(delta=delta, draft_tokens=drafts, sampling=sampling,
-                                                           return_features=wanted, draft_next=draft_next),
+                                                           return_features=wanted, draft_next=draft_next,
+                                                           run_ahead=ahead, token_room=token_room,
+                                                           stop_token_ids=stop_ids),
                     "Verify", chunk)
             except Rechunk:
                 rechunks += 1
                 continue
+            except BaseException:
+                self._runs.pop(session.session_id, None)
+                raise
             break
+        if run is not None:
+            # A stream to the replica that ended since the round went may have carried the
+            # verdict: its run went with it.
+            if (verdict.run_id and self._runs.get(session.session_id) is run
+                    and self._stream_ends.get(session.replica, 0) == run.ends.get(session.replica, 0)):
+                run.run_id, run.address = verdict.run_id, session.replica
+                self.finished(session, keep_run=True)  # no step waits for a round it will not send
+            else:
+                self._runs.pop(session.session_id, None)
         if wanted:
             features.put(verdict.feature_start, verdict.features)
         return verdict
+
+    # --- rounds a replica runs ahead (target_worker.run_ahead) ---------------------------
+
+    def running_ahead(self, session: WorkerSession) -> bool:
+        """Whether the session's replica runs its next round by itself (next_ahead gives it)."""
+        run = self._runs.get(session.session_id)
+        return run is not None and run.run_id != 0
+
+    def change_run(self, session: WorkerSession, draft_next: int) -> bool:
+        """Asks the session's replica to draft `draft_next` tokens per block from the run's
+        next round on (RunChange, sent in the background); False where it cannot be sent."""
+        run = self._runs.get(session.session_id)
+        stream = self._streams.get(run.address) if run is not None and run.run_id else None
+        if stream is None or stream.unsupported:
+            return False
+        change = target_pb2.VerifyBatchRequest(run_changes=[target_pb2.RunChange(
+            session_id=session.session_id, run_id=run.run_id, draft_next=draft_next)])
+
+        async def send() -> None:
+            try:
+                await stream.step(change, self.call_timeout_s)
+            except (grpc.aio.AioRpcError, StreamUnsupported) as exc:  # the run ends with its stream
+                log.debug("run change for %s on %s failed: %s", session.session_id, run.address, exc)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return True
+
+    def end_run(self, session: WorkerSession) -> None:
+        """Waits for no more rounds run ahead for the session (its next round is sent)."""
+        self._runs.pop(session.session_id, None)
+
+    async def next_ahead(self, session: WorkerSession, committed: int,
+                         wait: bool = True) -> target_pb2.Continued | None:
+        """The next round the session's replica ran by itself, continuing the `committed`
+        tokens held here, its verdict counted in the session's state as a round's would be;
+        None where the run ended without one (the stream broke, the round failed or lost the
+        session, it continued another sequence, nothing came in time): the session's next
+        round is then sent as usual. wait=False: only a round already here, else None with
+        the run going on (`running_ahead`). A round is waited for at most the call's
+        deadline — or, where this pool hedges, the hedge delay: a round sent then can be
+        hedged, and ends the run."""
+        run = self._runs.get(session.session_id)
+        if run is None or not run.run_id:
+            return None
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        timeout = self.call_timeout_s
+        hedge = self.hedger.delay(1) if self.hedger is not None else None
+        if hedge is not None:
+            timeout = min(timeout, hedge)
+        if session.deadline is not None:
+            timeout = min(timeout, max(0.001, session.deadline - began))
+        while True:
+            if not wait and run.queue.empty():
+                return None
+            try:
+                got = await asyncio.wait_for(run.queue.get(), max(0.0, began + timeout - loop.time()))
+            except TimeoutError:
+                log.info("no round run ahead for session %s on %s within %.3g s: sending its next round",
+                         session.session_id, run.address, timeout)
+                break
+            if got is None:
+                break  # the stream it ran on ended
+            address, item = got
+            if item.run_id != run.run_id or address != run.address:
+                continue  # an earlier run's, or another replica's
+            kind = item.result.WhichOneof("result")
+            if kind != "verdict":
+                if kind == "resync":  # the replica lost the session: resent from what it holds
+                    session.resyncs += 1
+                    session.sent = min(session.sent, item.result.resync.cached_len)
+                break
+            if item.context_len != committed:  # never expected: resend it all
+                log.warning("session %s: a round run ahead on %s continued %d tokens, not the %d committed",
+                            session.session_id, address, item.context_len, committed)
+                session.sent = 0
+                break
+            if item.result.verdict.run_id != run.run_id:
+                self._runs.pop(session.session_id, None)  # the run's last round
+            session.sent = committed
+            session.seconds += loop.time() - began
+            session.wire_bytes += item.ByteSize()
+            return item
+        if self._runs.get(session.session_id) is run:
+            del self._runs[session.session_id]
+        return None
+
+    def _unsolicited(self, address: str, response) -> None:
+        if response.step_s > 0:  # a step that carried only rounds run ahead
+            self._observe_step(address, response, response.ahead_rounds, response.ahead_drafts,
+                               response.ahead_drafting, response.ahead_head_rounds)
+        for item in response.continued:
+            run = self._runs.get(item.session_id)
+            if run is not None:
+                run.queue.put_nowait((address, item))
+
+    def _stream_ended(self, address: str) -> None:
+        self._stream_ends[address] = self._stream_ends.get(address, 0) + 1
+        for run in self._runs.values():
+            if run.address == address:
+                run.queue.put_nowait(None)
+
+
+@dataclass
+class _AheadRun:
+    """A session whose replica may run its rounds ahead: what it sent, as it arrives."""
+
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    run_id: int = 0  # 0: its first round is not answered yet
+    address: str | None = None
+    ends: dict[str, int] = field(default_factory=dict)  # the streams ended per replica when it began

@@ -193,6 +193,10 @@ class CoordinatorConfig:
     """Most rounds in one step (workers accept 64 by default)."""
     prefill_chunk_tokens: int = 256
     """Longest run of prompt tokens one step prefills, so a long prompt never stalls the others."""
+    run_ahead_rounds: int = 8
+    """With worker streams: rounds a target replica may run by itself after a round that
+    needs nothing but the target (drafted by a head on it, or no drafts), answering each
+    on the stream; 0: every round is sent by the coordinator (target_worker.run_ahead)."""
     http_port: int | None = None
     """Port of the OpenAI-compatible HTTP API (coordinator.openai_api), on the gRPC server's
     host, TLS and tokens; None: no HTTP API; 0: a free port (the CLI's 0 means None)."""

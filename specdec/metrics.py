@@ -67,6 +67,9 @@ HEDGED_ROUNDS = Counter("specdec_hedged_rounds_total",
 HEDGES_SKIPPED = Counter("specdec_hedges_skipped_total",
                          "Target rounds unanswered past the hedge delay but not hedged, by why: budget, deadline, "
                          "no_replica", ["reason"])
+ROUNDS_RUN_AHEAD = Counter("specdec_rounds_run_ahead_total",
+                           "Rounds a target replica ran by itself, ahead of the coordinator (--run-ahead), "
+                           "whose verdicts the coordinator committed")
 BUSY_ROUNDS = Counter("specdec_busy_rounds_total",
                       "Rounds a worker replica was too full for (RESOURCE_EXHAUSTED: its KV pool or session "
                       "slots), by what the session did: moved (to another replica), retried (there, after "

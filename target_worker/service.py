@@ -31,6 +31,7 @@ from specdec.worker_info import (
 )
 from target_worker.head import load_inline_head
 from target_worker.kernels.ops import paged_attention
+from target_worker.run_ahead import RunsAhead
 from target_worker.verify import Round, Verifier
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
         self._info = info
         self.thread = thread or ModelThread("target")
         self.max_batch_rounds = info.max_batch_rounds or DEFAULT_MAX_BATCH_ROUNDS
+        self.runs = RunsAhead(self._parse, self._run, self._answer, self._result, self.max_batch_rounds)
 
     async def Verify(self, request: target_pb2.VerifyRequest,
                      context: grpc.aio.ServicerContext) -> target_pb2.VerifyResponse:
@@ -70,37 +72,59 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
 
     async def VerifyBatch(self, request: target_pb2.VerifyBatchRequest,
                           context: grpc.aio.ServicerContext) -> target_pb2.VerifyBatchResponse:
+        # run_changes concern runs, which only VerifyStream has.
+        rounds = self._parse(request)
+        outcome = await self._run(rounds)
+        return self._answer(request.rounds, outcome.results, outcome)
+
+    def _parse(self, request: target_pb2.VerifyBatchRequest) -> list[Round]:
         if len(request.rounds) > self.max_batch_rounds:
             raise InvalidArgument(f"rounds: {len(request.rounds)} exceeds the limit of {self.max_batch_rounds}")
-        rounds = [Round(r.delta.session_id, r.delta.start, list(r.delta.tokens), list(r.draft_tokens),
-                        Sampling.from_proto(r.sampling if r.HasField("sampling") else None), r.return_features,
-                        r.draft_next)
-                  for r in request.rounds]
+        return [Round(r.delta.session_id, r.delta.start, list(r.delta.tokens), list(r.draft_tokens),
+                      Sampling.from_proto(r.sampling if r.HasField("sampling") else None), r.return_features,
+                      r.draft_next)
+                for r in request.rounds]
+
+    async def _run(self, rounds: list[Round]):
+        """One step over `rounds` on the model thread (BatchOutcome)."""
         with metrics.worker_call("target", "VerifyBatch", len(rounds)):
             outcome = await self.thread.run(step_and_observe, self.verifier.verify_batch, rounds, "target", self.store)
         metrics.observe_batch("target", len(rounds), outcome.rows)
+        log.debug("verify batch: %d rounds, %d rows, %.1f ms", len(rounds), outcome.rows, outcome.step_s * 1e3)
+        return outcome
+
+    def _answer(self, requests, results: list, outcome) -> target_pb2.VerifyBatchResponse:
+        """The step's answer to `requests` (VerifyRequest), whose results are `results`."""
         response = target_pb2.VerifyBatchResponse(step_s=outcome.step_s, rows=outcome.rows, draft_s=outcome.draft_s)
-        for r, result in zip(request.rounds, outcome.results):
+        for r, result in zip(requests, results):
             # Each round is logged under its own request's id (the call carries many).
             logs.request_id.set(r.delta.request_id)
             log.debug("verify %s: start %d, %d new tokens, %d drafts -> %s", r.delta.session_id, r.delta.start,
                       len(r.delta.tokens), len(r.draft_tokens), result)
-            item = response.results.add()
-            if isinstance(result, Resync):
-                metrics.WORKER_RESYNCS.labels("target").inc()
-                item.resync.cached_len = result.cached_len
-            elif isinstance(result, BaseException):
-                item.error.CopyFrom(round_error(result, r.delta.request_id))
-            else:
-                item.verdict.CopyFrom(_verdict(result))
+            response.results.append(self._result(result, r.delta.request_id))
         logs.request_id.set("")
-        log.debug("verify batch: %d rounds, %d rows, %.1f ms", len(rounds), outcome.rows, outcome.step_s * 1e3)
         return response
+
+    @staticmethod
+    def _result(result, request_id: str) -> target_pb2.VerifyResponse:
+        """One round's result (Verdict, Resync or the exception it raised) as sent."""
+        if isinstance(result, Resync):
+            metrics.WORKER_RESYNCS.labels("target").inc()
+            return target_pb2.VerifyResponse(resync=common_pb2.ResyncRequired(cached_len=result.cached_len))
+        if isinstance(result, BaseException):
+            return target_pb2.VerifyResponse(error=round_error(result, request_id))
+        return target_pb2.VerifyResponse(verdict=_verdict(result))
 
     async def VerifyStream(self, request_iterator: AsyncIterator[target_pb2.VerifyBatchRequest],
                            context: grpc.aio.ServicerContext) -> None:
-        # Each step is a VerifyBatch call's work, answered on the stream (specdec.step_streams).
-        await self.streams.serve(context, self.VerifyBatch, target_pb2.VerifyBatchResponse)
+        # Each step is a VerifyBatch call's work, answered on the stream (specdec.step_streams),
+        # with the rounds this worker runs ahead of the coordinator (target_worker.run_ahead).
+        await self.streams.serve(context, self.VerifyBatch, target_pb2.VerifyBatchResponse, ahead=self.runs)
+
+    async def Release(self, request: common_pb2.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> common_pb2.ReleaseResponse:
+        self.runs.end(request.session_id)
+        return await super().Release(request, context)
 
 
 def _verdict(result) -> target_pb2.Verdict:

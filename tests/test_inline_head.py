@@ -70,7 +70,12 @@ def served_with_head(target, tokenizer, head, **options):
 
 @pytest.mark.parametrize("options", [{}, {"batching": False}, {"prefill_chunk_tokens": 8}],
                          ids=["batched", "unbatched", "chunked-prefill"])
-def test_a_head_on_the_target_is_token_identical(target, tokenizer, options):
+def test_a_head_on_the_target_is_token_identical(target, tokenizer, options, monkeypatch):
+    from coordinator.adaptive import AdaptiveK
+
+    # Draft every round: a random head's acceptance would soon have the controller stop
+    # asking it, and each request is to exercise the head.
+    monkeypatch.setattr(AdaptiveK, "next_k", lambda self, *args: self.k_max)
     results, seen = served_with_head(target, tokenizer, make_head(target), **options)
     for result in results:
         stats = result.stats

@@ -30,6 +30,17 @@ def seconds(value: str) -> float:
     return parsed
 
 
+def count(value: str) -> int:
+    """A flag counting things: an integer, 0 or more."""
+    try:
+        parsed = int(value)
+    except ValueError:
+        parsed = -1
+    if parsed < 0:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a count (an integer, 0 or more)")
+    return parsed
+
+
 def dtype_name(value: str) -> str:
     """A --dtype flag (or SPECDEC_DTYPE, which argparse passes through here unchecked by
     `choices`): one of DTYPES."""
@@ -138,6 +149,10 @@ def add_coordinator_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-rounds", type=int, default=32, help="most requests' rounds in one step")
     parser.add_argument("--prefill-chunk", type=int, default=256,
                         help="longest piece of a prompt one step prefills (bounds others' latency)")
+    parser.add_argument("--run-ahead", type=count, default=env("SPECDEC_RUN_AHEAD", "8"),
+                        help="rounds a target replica may run by itself after one that needs nothing but the target "
+                             "(a head on it, or no speculation), streaming each verdict; 0: the coordinator sends "
+                             "every round (default %(default)s) [SPECDEC_RUN_AHEAD]")
     parser.add_argument("--worker-timeout-s", type=seconds, default=env("SPECDEC_WORKER_TIMEOUT_S", "60"),
                         help="deadline of one worker call (a draft's is at most 10 s) (default %(default)s) "
                              "[SPECDEC_WORKER_TIMEOUT_S]")
@@ -193,7 +208,7 @@ def coordinator_config(args, target_addr: str, draft_addr: str | None, tokenizer
         rate_limit_per_client=args.rate_limit, batching=not args.no_batching,
         worker_streams=not args.no_worker_streams,
         step_token_budget=args.step_token_budget, max_batch_rounds=args.max_batch_rounds,
-        prefill_chunk_tokens=args.prefill_chunk, http_port=args.http_port or None,
+        prefill_chunk_tokens=args.prefill_chunk, run_ahead_rounds=args.run_ahead, http_port=args.http_port or None,
         served_model_name=args.served_model_name,
         worker_timeout_s=args.worker_timeout_s, worker_retries=args.worker_retries,
         retry_backoff_s=args.worker_backoff_s, worker_keepalive_s=args.worker_keepalive_s,
