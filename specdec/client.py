@@ -140,7 +140,7 @@ class Client:
                 if first_id and not request.request_id:
                     attempt.request_id = first_id
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            first = True
+            first, finished = True, False
             call = self.stream(attempt, timeout=remaining, wait_for_ready=wait_for_ready, request_id=request_id)
             try:
                 async for response in call:
@@ -150,13 +150,14 @@ class Client:
                     received.extend(response.token_ids)
                     if response.finish_reason:
                         response.stats.resumes = resumes
+                    finished = finished or bool(response.finish_reason)
                     yield response
-                    if response.finish_reason:
-                        # The request is complete: a stream that breaks after its last
-                        # message (a coordinator killed before the status) is not resumed.
-                        return
                 return
             except grpc.aio.AioRpcError as exc:
+                if finished:
+                    # The request is complete: a stream that breaks after its last message
+                    # (a coordinator killed before the status) has nothing left to resume.
+                    return
                 if exc.code() not in RESUMABLE or resumes >= resume.attempts or pushed_back(exc):
                     raise
                 pause = resume.delay(resumes)
