@@ -167,31 +167,27 @@ class RoundRunner:
                     ahead = None
                 self._record(gen, drafts, verdict, asked)
                 new = self._commit(gen, drafts, verdict)
-                if self.target.running_ahead(gen.target):
-                    # Its next round is the replica's: nothing to queue. Rounds it ran whose
-                    # verdicts are here already go in the same response, each committed and
-                    # streamed in turn (a stop string ends them): a coordinator that falls
-                    # behind writes less, not later.
-                    text, new = self._stream(gen, new)
-                    self._observe(gen, drafts, verdict, new, first=gen.answered == 0)
-                    while not gen.done and self._keeps_running(gen):
-                        ran = await self._ran_ahead(gen, wait=False)
-                        if ran is None:
-                            break
-                        drafts, asked, verdict = ran
-                        self._record(gen, drafts, verdict, asked)
-                        more_text, more = self._stream(gen, self._commit(gen, drafts, verdict))
-                        self._observe(gen, drafts, verdict, more)
-                        text, new = text + more_text, new + more
-                else:
-                    if not gen.done and self._straight_to_target(gen):
-                        # Its next round queues at once, and the work below waits for the step
-                        # carrying it to leave: under load that step waits for every request it
-                        # answered, so what each one does for its client runs while it computes.
-                        ahead = asyncio.get_running_loop().create_task(self._round(gen))
-                        await self.target.step_left(gen.target)
-                    text, new = self._stream(gen, new)
-                    self._observe(gen, drafts, verdict, new, first=gen.answered == 0)
+                running = self.target.running_ahead(gen.target)  # then its next round is the replica's
+                if not running and not gen.done and self._straight_to_target(gen):
+                    # Its next round queues at once, and the work below waits for the step
+                    # carrying it to leave: under load that step waits for every request it
+                    # answered, so what each one does for its client runs while it computes.
+                    ahead = asyncio.get_running_loop().create_task(self._round(gen))
+                    await self.target.step_left(gen.target)
+                text, new = self._stream(gen, new)
+                self._observe(gen, drafts, verdict, new, first=gen.answered == 0)
+                # Rounds the replica ran whose verdicts are here already go in the same
+                # response, each committed and streamed in turn (a stop string ends them): a
+                # coordinator that falls behind writes less, not later.
+                while running and not gen.done and self._keeps_running(gen):
+                    ran = await self._ran_ahead(gen, wait=False)
+                    if ran is None:
+                        break
+                    drafts, asked, verdict = ran
+                    self._record(gen, drafts, verdict, asked)
+                    more_text, more = self._stream(gen, self._commit(gen, drafts, verdict))
+                    self._observe(gen, drafts, verdict, more)
+                    text, new = text + more_text, new + more
                 response = self._response(gen, new, text)
                 gen.answered += 1
                 if ahead is None and not gen.done:
@@ -232,9 +228,7 @@ class RoundRunner:
             return False
         if not (gen.plan.speculate and self.target.runs_head(gen.target)):
             return True  # nothing is drafted: nothing to decide
-        if gen.decided is None:
-            k = gen.adaptive.next_k(self.target.draft_token_cost(gen.target), self.target.head_cost(gen.target))
-            gen.decided = (k, gen.adaptive.probing)
+        self._decide(gen)
         if gen.decided == (gen.ahead_asked[0], False):
             return True
         if not gen.decided[1] and self.target.change_run(gen.target, gen.decided[0]):
@@ -308,11 +302,16 @@ class RoundRunner:
         in this round's step, which its drafting time lengthens (measured by the worker)."""
         drafts = self._valid(gen.ahead[:max(0, gen.draft_room)])
         asked = gen.ahead_asked
+        gen.ahead_asked, gen.decided = self._decide(gen), None
+        return drafts, asked, gen.ahead_asked[0]
+
+    def _decide(self, gen: Generation) -> tuple[int, bool]:
+        """The adaptive controller's (k, probing) for the head's next block: decided once per
+        round, kept in gen.decided until a round uses it."""
         if gen.decided is None:
             k = gen.adaptive.next_k(self.target.draft_token_cost(gen.target), self.target.head_cost(gen.target))
             gen.decided = (k, gen.adaptive.probing)
-        gen.ahead_asked, gen.decided = gen.decided, None
-        return drafts, asked, gen.ahead_asked[0]
+        return gen.decided
 
     def _choose_k(self, gen: Generation) -> int:
         """Draft tokens to ask the draft worker for (coordinator.adaptive). Under load a draft

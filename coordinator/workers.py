@@ -773,11 +773,14 @@ class TargetClient(WorkerClient):
     def _make_stub(self, channel):
         return target_pb2_grpc.TargetWorkerStub(channel)
 
-    def finished(self, session: WorkerSession, keep_run: bool = False) -> None:
-        """The generation ended: no step waits for its next round, and (unless keep_run) no
-        round run ahead for it is waited for."""
-        if not keep_run:
-            self._runs.pop(session.session_id, None)
+    def finished(self, session: WorkerSession) -> None:
+        """The generation ended: no round run ahead for it is waited for, and no step waits
+        for its next round."""
+        self._runs.pop(session.session_id, None)
+        self._sends_no_round(session)
+
+    def _sends_no_round(self, session: WorkerSession) -> None:
+        """No step waits for the session's next round."""
         batcher = self._batchers.get(session.replica) if session.replica else None
         if batcher is not None:
             batcher.forget(session.key)
@@ -796,7 +799,7 @@ class TargetClient(WorkerClient):
         # verify and next_ahead), and the sessions whose rounds run ahead.
         self.run_ahead = run_ahead
         self._runs: dict[str, _AheadRun] = {}
-        self._stream_ends: dict[str, int] = {}  # per replica address, its step streams that ended
+        self._stream_ends = 0  # step streams that ended, to any replica
         # Longest run of committed tokens one round sends while batching (see verify).
         self.prefill_chunk = prefill_chunk
         if hedging is not None and hedging.enabled:
@@ -889,7 +892,7 @@ class TargetClient(WorkerClient):
                     if wanted:
                         features.put(partial.feature_start, partial.features)
                 # Registered before the round goes: what the replica runs ahead may come at once.
-                run = _AheadRun(ends=dict(self._stream_ends)) if ahead else None
+                run = _AheadRun(stream_ends=self._stream_ends) if ahead else None
                 if run is not None:
                     self._runs[session.session_id] = run
                 verdict = await self._round(
@@ -907,12 +910,12 @@ class TargetClient(WorkerClient):
                 raise
             break
         if run is not None:
-            # A stream to the replica that ended since the round went may have carried the
-            # verdict: its run went with it.
+            # A stream that ended since the round went may have carried the verdict, and its
+            # run with it (a stream to another replica ending costs a run, nothing more).
             if (verdict.run_id and self._runs.get(session.session_id) is run
-                    and self._stream_ends.get(session.replica, 0) == run.ends.get(session.replica, 0)):
+                    and self._stream_ends == run.stream_ends):
                 run.run_id, run.address = verdict.run_id, session.replica
-                self.finished(session, keep_run=True)  # no step waits for a round it will not send
+                self._sends_no_round(session)
             else:
                 self._runs.pop(session.session_id, None)
         if wanted:
@@ -1017,7 +1020,7 @@ class TargetClient(WorkerClient):
                 run.queue.put_nowait((address, item))
 
     def _stream_ended(self, address: str) -> None:
-        self._stream_ends[address] = self._stream_ends.get(address, 0) + 1
+        self._stream_ends += 1
         for run in self._runs.values():
             if run.address == address:
                 run.queue.put_nowait(None)
@@ -1030,4 +1033,4 @@ class _AheadRun:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     run_id: int = 0  # 0: its first round is not answered yet
     address: str | None = None
-    ends: dict[str, int] = field(default_factory=dict)  # the streams ended per replica when it began
+    stream_ends: int = 0  # TargetClient._stream_ends when it began

@@ -102,10 +102,10 @@ class RunsAhead:
             self.end(session_id)
 
     def _advance(self, run: _Run, verdict: Verdict) -> bool:
-        """Whether `run` goes on after its round's verdict (its next round then waits, behind
-        the stream's other runs: a step too small for them all takes the longest waiting)."""
+        """Whether `run`, no longer registered, goes on after its round's verdict: its next
+        round then waits behind the stream's other runs (a step too small for them all takes
+        the longest waiting)."""
         following, run.room = next_round(run.round, verdict, run.room, run.stop_ids)
-        self.end(run.round.session_id)
         if following is None or run.left < 1:
             return False
         run.round, run.left, run.drafted_with = following, run.left - 1, run.round.draft_next
@@ -174,9 +174,8 @@ class RunsAhead:
             if self._runs.get(run.round.session_id) is not run:
                 continue  # released or superseded while its step ran: nobody waits for it
             ran, drafted_with = run.round, run.drafted_with
+            self.end(ran.session_id)
             goes_on = isinstance(result, Verdict) and self._advance(run, result)
-            if not goes_on:
-                self.end(ran.session_id)
             self._add(continued, run, ran, self._result(result, run.request_id), run.run_id if goes_on else 0,
                       drafted_with)
         if continued.continued:

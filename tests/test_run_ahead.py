@@ -147,7 +147,7 @@ def test_a_stop_string_ends_the_run(target, tokenizer):
     assert results[0].finish_reason == "FINISH_REASON_STOP"
     assert results[0].token_ids == plain[0].token_ids and results[0].text == plain[0].text
     assert len(results[0].token_ids) < MAX_NEW
-    assert held == (0, 0)  # the run went no further than the Release
+    assert held == (0, 0)  # every run ended, every session released
 
 
 def test_a_broken_stream_ends_the_run_and_the_request_goes_on(target, tokenizer):
