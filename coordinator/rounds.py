@@ -223,15 +223,25 @@ class RoundRunner:
         would. Another k than the run's goes to the replica (TargetClient.change_run) and the
         run goes on: its next round is computed already, so the new k drafts from the one
         after (the decision comes a round later than without a run, and no round is thrown
-        away). A probe ends the run: it goes with the round the coordinator then sends."""
+        away). A probe ends the run: it goes with the round the coordinator then sends. Each
+        decision that keeps the run tops it up once half its rounds are used
+        (TargetClient.run_grant), so the run lasts as long as the request."""
         if not self.target.running_ahead(gen.target):
             return False
+        if not self._straight_to_target(gen):  # its replica no longer runs a head: ask the drafter
+            self.target.end_run(gen.target)
+            return False
+        grant = self.target.run_grant(gen.target)
         if not (gen.plan.speculate and self.target.runs_head(gen.target)):
-            return True  # nothing is drafted: nothing to decide
+            if grant:  # nothing is drafted: nothing to decide but the rounds it may run
+                self.target.change_run(gen.target, 0, 0.0, grant)
+            return True
         self._decide(gen)
         if gen.decided == (gen.ahead_asked[0], False):
+            if grant:
+                self.target.change_run(gen.target, gen.ahead_asked[0], self._draft_price(gen), grant)
             return True
-        if not gen.decided[1] and self.target.change_run(gen.target, gen.decided[0]):
+        if not gen.decided[1] and self.target.change_run(gen.target, gen.decided[0], self._draft_price(gen), grant):
             gen.ahead_asked = gen.decided
             return True
         self.target.end_run(gen.target)
@@ -313,6 +323,15 @@ class RoundRunner:
             gen.decided = (k, gen.adaptive.probing)
         return gen.decided
 
+    def _draft_price(self, gen: Generation) -> float:
+        """The least chance of being accepted at which the head on the target should draft a
+        token: what a draft row costs, in steps (coordinator.adaptive.StepCostModel). A token
+        accepted with probability p is worth p of a round's one token per step, so below its
+        price it lowers the request's tokens per step. At one request a row is nearly free
+        and the head's own cuts decide; under load, when every row of a step computes, only
+        the tokens the head is nearly sure of are drafted, and alternatives stop."""
+        return self.target.draft_token_cost(gen.target)
+
     def _choose_k(self, gen: Generation) -> int:
         """Draft tokens to ask the draft worker for (coordinator.adaptive). Under load a draft
         token delays every request in the step: its price comes from the target's measured
@@ -332,7 +351,7 @@ class RoundRunner:
         # once per round of a run).
         room = gen.draft_room + 1 if self._straight_to_target(gen) and not gen.ahead_asked[1] else 0
         verdict = await self.target.verify(gen.target, gen.committed, drafts, gen.sampling, gen.features, draft_next,
-                                           room, gen.plan.eos_ids)
+                                           room, gen.plan.eos_ids, self._draft_price(gen) if draft_next else 0.0)
         gen.ahead = list(verdict.next_drafts)
         return verdict
 

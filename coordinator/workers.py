@@ -865,12 +865,13 @@ class TargetClient(WorkerClient):
     async def verify(self, session: WorkerSession, committed: list[int], drafts: list[int],
                      sampling: common_pb2.SamplingParams | None = None,
                      features: FeatureLog | None = None, draft_next: int = 0, token_room: int = 0,
-                     stop_ids: frozenset[int] = frozenset()) -> target_pb2.Verdict:
+                     stop_ids: frozenset[int] = frozenset(), min_draft_prob: float = 0.0) -> target_pb2.Verdict:
         """One round; with `features`, the verdicts' target features go into it; with
         draft_next, a target worker that runs a head (`head`) drafts the next round's block
-        (Verdict.next_drafts). With token_room (the tokens the request may still commit, this
-        round's included; 0: its next round needs more than this verdict, e.g. a draft
-        worker), the replica may run the session's next rounds by itself (`run_ahead`,
+        (Verdict.next_drafts), each token only where the head puts its chance of being
+        accepted at min_draft_prob or more (the price of a draft row). With token_room (the
+        tokens the request may still commit, this round's included; 0: its next round needs
+        more than this verdict, e.g. a draft worker), the replica may run the session's next rounds by itself (`run_ahead`,
         target_worker.run_ahead): `running_ahead` then says so, and `next_ahead` gives each."""
         wanted = features is not None
         ahead = self.run_ahead if (self.batching and self.streams and not wanted and token_room > 1) else 0
@@ -892,13 +893,14 @@ class TargetClient(WorkerClient):
                     if wanted:
                         features.put(partial.feature_start, partial.features)
                 # Registered before the round goes: what the replica runs ahead may come at once.
-                run = _AheadRun(stream_ends=self._stream_ends) if ahead else None
+                run = _AheadRun(stream_ends=self._stream_ends, left=ahead) if ahead else None
                 if run is not None:
                     self._runs[session.session_id] = run
                 verdict = await self._round(
                     session, committed,
                     lambda delta: target_pb2.VerifyRequest(delta=delta, draft_tokens=drafts, sampling=sampling,
                                                            return_features=wanted, draft_next=draft_next,
+                                                           min_draft_prob=min_draft_prob,
                                                            run_ahead=ahead, token_room=token_room,
                                                            stop_token_ids=stop_ids),
                     "Verify", chunk)
@@ -929,15 +931,31 @@ class TargetClient(WorkerClient):
         run = self._runs.get(session.session_id)
         return run is not None and run.run_id != 0
 
-    def change_run(self, session: WorkerSession, draft_next: int) -> bool:
-        """Asks the session's replica to draft `draft_next` tokens per block from the run's
-        next round on (RunChange, sent in the background); False where it cannot be sent."""
+    def run_grant(self, session: WorkerSession) -> int:
+        """Rounds to add to the session's run now (change_run's more_rounds): once half of
+        what it may run ahead of the rounds received here is used, enough to make it whole
+        again, so a run this coordinator keeps up with does not end for want of rounds (its
+        session would then miss the replica's next steps while its own round travels); 0
+        otherwise."""
+        run = self._runs.get(session.session_id)
+        if run is None or not run.run_id or run.left > self.run_ahead // 2:
+            return 0
+        return self.run_ahead - run.left
+
+    def change_run(self, session: WorkerSession, draft_next: int, min_draft_prob: float = 0.0,
+                   more_rounds: int = 0) -> bool:
+        """Asks the session's replica to draft `draft_next` tokens per block, at
+        `min_draft_prob` (verify), from the run's next round on, and lets the run go
+        `more_rounds` rounds further (RunChange, sent in the background); False where it
+        cannot be sent."""
         run = self._runs.get(session.session_id)
         stream = self._streams.get(run.address) if run is not None and run.run_id else None
         if stream is None or stream.unsupported:
             return False
+        run.left += more_rounds
         change = target_pb2.VerifyBatchRequest(run_changes=[target_pb2.RunChange(
-            session_id=session.session_id, run_id=run.run_id, draft_next=draft_next)])
+            session_id=session.session_id, run_id=run.run_id, draft_next=draft_next,
+            min_draft_prob=min_draft_prob, more_rounds=more_rounds)])
 
         async def send() -> None:
             try:
@@ -1002,6 +1020,7 @@ class TargetClient(WorkerClient):
                 break
             if item.result.verdict.run_id != run.run_id:
                 self._runs.pop(session.session_id, None)  # the run's last round
+            run.left -= 1
             session.sent = committed
             session.seconds += loop.time() - began
             session.wire_bytes += item.ByteSize()
@@ -1034,3 +1053,4 @@ class _AheadRun:
     run_id: int = 0  # 0: its first round is not answered yet
     address: str | None = None
     stream_ends: int = 0  # TargetClient._stream_ends when it began
+    left: int = 0  # rounds the replica may still run beyond those received here

@@ -118,9 +118,13 @@ class InlineHead:
         the target's own choice of this round)."""
         return self.draft_batch([session], [context], [k])[0]
 
-    def draft_batch(self, sessions: list[Session], contexts: list[list[int]], ks: list[int]) -> list[list[int]]:
+    def draft_batch(self, sessions: list[Session], contexts: list[list[int]], ks: list[int],
+                    min_probs: list[float] | None = None) -> list[list[int]]:
         """Per session, up to k draft tokens continuing its context, all sessions drafted
-        together (specdec.eagle.paged)."""
+        together (specdec.eagle.paged). `min_probs`: per session, the least probability of
+        being accepted, by the head's own estimate, at which it drafts a token or keeps an
+        alternative (the coordinator's price of a draft row, VerifyRequest.min_draft_prob);
+        the drafter's own cuts apply where it is lower."""
         if self.batched is None:
             raise RuntimeError("the head has no storage: call serve() first")
         drafts: list[list[int]] = [[] for _ in sessions]
@@ -130,7 +134,8 @@ class InlineHead:
             state = sessions[i].head
             synced.append(SyncedContext(state.session, contexts[i], common_prefix_len(state.session.ids, contexts[i])))
             features.append(Features.from_rows(state.start, state.rows))
-        results = self.propose(synced, [ks[i] for i in asked], features)
+        floors = [min_probs[i] if min_probs is not None else 0.0 for i in asked]
+        results = self.propose(synced, [ks[i] for i in asked], features, floors)
         for i, result in zip(asked, results):
             session, context = sessions[i], contexts[i]
             if isinstance(result, Resync):
@@ -146,10 +151,10 @@ class InlineHead:
             drafts[i] = list(chain)
         return drafts
 
-    def propose(self, synced: list[SyncedContext], ks: list[int],
-                features: list[Features]) -> list[tuple[list[int], list[tuple[int, int]]] | Resync]:
+    def propose(self, synced: list[SyncedContext], ks: list[int], features: list[Features],
+                min_probs: list[float] | None = None) -> list[tuple[list[int], list[tuple[int, int]]] | Resync]:
         """The batched drafter's chains and alternatives (a seam tests wrap)."""
-        return self.batched.propose_tree(synced, ks, features)
+        return self.batched.propose_tree(synced, ks, features, min_probs)
 
     @staticmethod
     def alternatives(session: Session, drafts: list[int]) -> list[tuple[int, int]]:

@@ -22,8 +22,10 @@ Invariants:
   round failed or lost its session ends with that result;
 - a step takes at most max_batch_rounds rounds: the coordinator's first, then waiting runs,
   the longest waiting first;
-- a RunChange sets the draft_next of the run's next round to run (and so of the rounds after
-  it); each round answered says which draft_next its own drafts were drafted with;
+- a RunChange sets the draft_next and min_draft_prob of the run's next round to run (and so
+  of the rounds after it), and adds its more_rounds to the run's count: a coordinator that
+  tops the count up as it commits keeps the run going, and the worker never more than its
+  grant ahead; each round answered says which draft_next its own drafts were drafted with;
 - a step's rows, time and head time are reported once, with the counts of its rounds that
   were runs' (VerifyBatchResponse.ahead_*), so the coordinator's cost model sees every round.
 """
@@ -38,6 +40,10 @@ from dataclasses import dataclass, replace
 from specdec.errors import status_for
 from specdec.v1 import target_pb2
 from target_worker.verify import Round, Verdict
+
+
+# The most rounds a run may have left, whatever the grants add up to.
+MAX_RUN_ROUNDS = 1 << 16
 
 
 @dataclass
@@ -114,10 +120,13 @@ class RunsAhead:
         return True
 
     def change(self, change: target_pb2.RunChange) -> None:
-        """The coordinator's new draft_next for a run, from its next round on."""
+        """The coordinator's new draft_next and min_draft_prob for a run, from its next round
+        on (a price that is not a finite number >= 0 fails that round, as in a VerifyRequest),
+        and the rounds it adds to the run's allowance (never past MAX_RUN_ROUNDS)."""
         run = self._runs.get(change.session_id)
         if run is not None and run.run_id == change.run_id:
-            run.round = replace(run.round, draft_next=change.draft_next)
+            run.round = replace(run.round, draft_next=change.draft_next, min_draft_prob=change.min_draft_prob)
+            run.left = min(MAX_RUN_ROUNDS, run.left + change.more_rounds)
 
     async def step(self, request: target_pb2.VerifyBatchRequest | None, context, stream: object) -> list:
         if request is not None and request.run_changes:

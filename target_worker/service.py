@@ -82,7 +82,7 @@ class TargetWorkerServicer(SessionWorkerRpcs, target_pb2_grpc.TargetWorkerServic
             raise InvalidArgument(f"rounds: {len(request.rounds)} exceeds the limit of {self.max_batch_rounds}")
         return [Round(r.delta.session_id, r.delta.start, list(r.delta.tokens), list(r.draft_tokens),
                       Sampling.from_proto(r.sampling if r.HasField("sampling") else None), r.return_features,
-                      r.draft_next)
+                      r.draft_next, r.min_draft_prob)
                 for r in request.rounds]
 
     async def _run(self, rounds: list[Round]):

@@ -26,6 +26,7 @@ rule is needed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
@@ -52,6 +53,9 @@ class Round:
     sampling: Sampling = GREEDY
     features: bool = False  # return the committed positions' features
     draft_next: int = 0  # with a head on this worker: draft this many for the next round
+    # With draft_next: the least probability of being accepted (the head's own estimate) at
+    # which the head drafts a token or keeps an alternative (VerifyRequest.min_draft_prob).
+    min_draft_prob: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -336,7 +340,8 @@ class Verifier:
             contexts.append(block.synced.context + block.round.drafts[:verdict.accepted] + [verdict.next_token]
                             + list(verdict.extra))
         drafts = self.head.draft_batch([blocks[i].session for i in asked], contexts,
-                                       [blocks[i].round.draft_next for i in asked])
+                                       [blocks[i].round.draft_next for i in asked],
+                                       [blocks[i].round.min_draft_prob for i in asked])
         out: list[tuple[int, ...]] = [()] * len(blocks)
         for i, draft in zip(asked, drafts):
             out[i] = tuple(draft)
@@ -354,6 +359,8 @@ class Verifier:
             raise InvalidArgument(f"draft_tokens: {len(rnd.drafts)} exceeds the limit of {self.max_draft_tokens}")
         if rnd.draft_next > self.max_draft_tokens:
             raise InvalidArgument(f"draft_next: {rnd.draft_next} exceeds the limit of {self.max_draft_tokens}")
+        if not (math.isfinite(rnd.min_draft_prob) and rnd.min_draft_prob >= 0):
+            raise InvalidArgument(f"min_draft_prob: {rnd.min_draft_prob} is not a finite number >= 0")
         self._check_ids("delta.tokens", rnd.tokens)
         self._check_ids("draft_tokens", rnd.drafts)
         if rnd.start + len(rnd.tokens) + len(rnd.drafts) > self.max_context:

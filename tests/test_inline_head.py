@@ -31,8 +31,8 @@ def per_session(head: InlineHead, hook) -> None:
     session's part of every batch and returns what that session gets instead."""
     original = head.propose
 
-    def propose(synced, ks, features):
-        results = original(synced, ks, features)
+    def propose(synced, ks, features, min_probs=None):
+        results = original(synced, ks, features, min_probs)
         return [hook(s, k, f, r) for s, k, f, r in zip(synced, ks, features, results)]
 
     head.propose = propose
@@ -160,6 +160,39 @@ def test_draft_next_beyond_the_limit_is_invalid(target):
     assert len(first.next_drafts) == 4
     plain = Verifier(lm, SessionStore(8, 1 << 30, lm.bytes_per_token), 4)
     assert plain.verify("t", 0, list(range(5, 15)), [], draft_next=4).next_drafts == ()  # no head: none
+
+
+def test_a_draft_price_that_is_not_a_finite_number_at_least_0_is_invalid(target, tokenizer):
+    """VerifyRequest.min_draft_prob through a real target worker: a bad one fails its own
+    round with INVALID_ARGUMENT, the step's other rounds are answered, and a price above 1
+    gets no drafts (no token is that sure)."""
+    import grpc
+
+    from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+    from tests.harness import start_target
+
+    prompt = chat_ids(tokenizer, PROMPTS[0])
+    prices = [float("nan"), -0.5, float("inf"), 0.0, 1.5]
+
+    async def scenario():
+        server, _ = await start_target(target, tokenizer, head=make_head(target), **ALWAYS)
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = target_pb2_grpc.TargetWorkerStub(channel)
+                return await stub.VerifyBatch(target_pb2.VerifyBatchRequest(rounds=[
+                    target_pb2.VerifyRequest(delta=common_pb2.SessionDelta(session_id=f"s{i}", start=0, tokens=prompt),
+                                             draft_next=4, min_draft_prob=price)
+                    for i, price in enumerate(prices)]), timeout=60)
+        finally:
+            await server.stop(grace=0)
+
+    answer = run(scenario())
+    for item in answer.results[:3]:
+        assert item.WhichOneof("result") == "error"
+        assert item.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "min_draft_prob" in item.error.message
+    free, dear = answer.results[3].verdict, answer.results[4].verdict
+    assert len(free.next_drafts) > 0
+    assert len(dear.next_drafts) == 0
 
 
 def test_a_head_for_another_target_is_refused_at_start(target, tokenizer):

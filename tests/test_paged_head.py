@@ -197,3 +197,34 @@ def test_an_inline_head_gives_its_blocks_back_when_the_store_drops_a_session(tar
     store.release("b")
     store.release("c")
     assert blocks.in_use == 0
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged", "buffered"])
+def test_a_sessions_floor_cuts_its_chain_and_alternatives_as_that_policy_would(target, paged):
+    """The caller's per-session floor (VerifyRequest.min_draft_prob) raises both cuts for that
+    session alone: each session drafts what a one-session drafter whose cuts are the higher
+    of its own and the floor drafts, in the same batch as sessions without a floor."""
+    head = make_head(target)
+    alone_head = copy.deepcopy(head)
+    base = dict(min_chain_prob=0.0, min_alt_prob=0.0, lookup_ngram=0)
+    storage = PagedHead(head, 64, block_size=4, max_batch=3) if paged else BufferedHead(head)
+    batched = BatchedDrafter(EagleDrafter("batched", head, **base), storage)
+    count, rounds, k = 5, 4, 4
+    floors = [0.0, 0.002, 2.0, 0.0015, 0.0]
+    alone = [EagleDrafter("alone", alone_head, min_chain_prob=f, min_alt_prob=f, lookup_ngram=0) for f in floors]
+    contexts = contexts_for(target, count, rounds)
+    alone_sessions = [Session(f"a{i}") for i in range(count)]
+    batched_sessions = [Session(f"b{i}") for i in range(count)]
+    lengths = [[] for _ in range(count)]
+    for r in range(rounds):
+        features = [Features.from_rows(0, hidden_states(target, contexts[s][r])[:-1]) for s in range(count)]
+        expected = [one_session(alone[s], alone_sessions[s], contexts[s][r], features[s], k) for s in range(count)]
+        synced = [SyncedContext(batched_sessions[s], contexts[s][r],
+                                common_prefix_len(batched_sessions[s].ids, contexts[s][r])) for s in range(count)]
+        got = batched.propose_tree(synced, [k] * count, features, floors)
+        assert got == expected, f"round {r}"
+        for s, (chain, _) in enumerate(got):
+            lengths[s].append(len(chain))
+    assert lengths[0] == [k] * rounds and lengths[4] == [k] * rounds  # no floor, no cut
+    assert lengths[2] == [0] * rounds  # a floor above 1: nothing is worth drafting
+    assert min(lengths[1] + lengths[3]) < k  # the small floors cut some chain short

@@ -127,6 +127,26 @@ def test_decoding_without_speculation_runs_ahead(target, tokenizer):
     assert held == (0, 0)
 
 
+def test_a_run_the_coordinator_tops_up_lasts_the_whole_request(target, tokenizer, monkeypatch):
+    """Granted more rounds as it commits them (TargetClient.run_grant), a session's run does
+    not end every run_ahead rounds: far fewer rounds go from the coordinator than when
+    each run ends at its count, and the output is the same."""
+    from coordinator.workers import TargetClient
+
+    requests = [make_request(p, max_new_tokens=MAX_NEW, speculate=False) for p in PROMPTS]
+    granted, sent_granted, _, held = serve(target, tokenizer, requests, run_ahead_rounds=4)
+    monkeypatch.setattr(TargetClient, "run_grant", lambda self, session: 0)
+    ended, sent_ended, _, _ = serve(target, tokenizer, requests, run_ahead_rounds=4)
+    for prompt, a, b in zip(PROMPTS, granted, ended):
+        assert a.token_ids == b.token_ids == reference_greedy(target, chat_ids(tokenizer, prompt), MAX_NEW)
+    # Ending at its count, a run of 4 leaves about one round in five to the coordinator (8
+    # per request here); topped up, ideally only the first. A grant that arrives after its
+    # run has ended costs a round, so the bound leaves room for a few.
+    assert sent_ended >= 3 * (MAX_NEW // 5 - 1), sent_ended
+    assert sent_granted <= sent_ended // 2, (sent_granted, sent_ended)
+    assert held == (0, 0)
+
+
 def test_seeded_sampling_runs_ahead_as_it_runs_without(target, tokenizer):
     requests = [make_request(p, max_new_tokens=MAX_NEW, k=4, temperature=0.8, top_k=20, seed=7 + i)
                 for i, p in enumerate(PROMPTS)]
@@ -341,6 +361,28 @@ def test_a_change_applies_to_the_runs_next_round_and_only_to_its_run():
     (answer,) = run(scenario())
     assert not answer.results and not answer.continued
     assert model.steps[1][0].draft_next == 0
+
+
+def test_more_rounds_extend_a_run_and_its_price_goes_to_its_next_round():
+    model, stream = FakeModel(), object()
+    runs = make_runs(model)
+
+    async def scenario():
+        first = await runs.step(asked("a", run_ahead=1), None, stream)
+        run_id = first[0].results[0].verdict.run_id
+        await runs.step(target_pb2.VerifyBatchRequest(step_id=2, run_changes=[target_pb2.RunChange(
+            session_id="a", run_id=run_id, draft_next=3, min_draft_prob=0.25, more_rounds=2)]), None, stream)
+        answers = []
+        while runs.waiting(stream):
+            answers.append(await runs.step(None, None, stream))
+        return answers
+
+    answers = run(scenario())
+    # One round granted by the request, two by the change: three run, the last ends the run.
+    assert len(answers) == 3 and len(model.steps) == 4
+    assert [a[0].continued[0].result.verdict.run_id != 0 for a in answers] == [True, True, False]
+    assert [(r[0].draft_next, r[0].min_draft_prob) for r in model.steps[1:]] == [(3, 0.25)] * 3
+    assert len(runs) == 0
 
 
 def test_a_coordinator_round_release_or_stream_end_ends_a_run():

@@ -221,8 +221,13 @@ def test_sampled_alternatives_that_are_the_targets_draw_are_committed(sampled_or
 
 
 @pytest.mark.parametrize("min_alt_prob", [0.0, 1.0], ids=["every-depth", "off"])
-def test_a_random_heads_own_alternatives_leave_the_output_alone(target, tokenizer, min_alt_prob):
-    # The head's real alternatives (at every depth at 0, none at 1), nearly all wrong here.
+def test_a_random_heads_own_alternatives_leave_the_output_alone(target, tokenizer, min_alt_prob, monkeypatch):
+    # The head's real alternatives (at every depth at 0, none at 1), nearly all wrong here;
+    # the head's own cuts alone, without the coordinator's price of a row.
+    from coordinator.rounds import RoundRunner
+
+    monkeypatch.setattr(RoundRunner, "_draft_price", lambda self, gen: 0.0)
+
     async def scenario():
         async with running_stack(target, tokenizer, target_head=make_head(target),
                                  target_options={**ALWAYS, "min_alt_prob": min_alt_prob}) as stack:

@@ -5,7 +5,8 @@ taken together). The target worker's head (target_worker.head) drafts this way.
 
 What it drafts is what EagleDrafter.propose_tree drafts for each session alone (the policy:
 specdec.eagle.policy — copying first, the chain cut at MIN_CHAIN_PROB, alternatives at
-MIN_ALT_PROB); only the arithmetic is batched, so a draft can differ from the one-session
+MIN_ALT_PROB, both raised per session to the caller's floor where it gives one: the price of
+a draft row under load, target_worker.head); only the arithmetic is batched, so a draft can differ from the one-session
 head's at a float rounding near-tie, never in kind. Drafts only ever cost speed: the target
 verifies every token.
 
@@ -112,10 +113,14 @@ class BatchedDrafter:
 
     @torch.inference_mode()
     def propose_tree(self, synced: Sequence[SyncedContext], ks: Sequence[int],
-                     features: Sequence[Features]) -> list[tuple[list[int], list[tuple[int, int]]] | Resync]:
+                     features: Sequence[Features], min_probs: Sequence[float] | None = None,
+                     ) -> list[tuple[list[int], list[tuple[int, int]]] | Resync]:
         """Per session, its chain and alternatives (EagleDrafter.propose_tree), or Resync from
         the first position whose features are missing — or from 0 when the pool had no room
-        for it (its head state must then be dropped)."""
+        for it (its head state must then be dropped). `min_probs`: per session, a floor on
+        both cuts (a chain token or an alternative is proposed only where the head's
+        probability that it is right is at least this; 0: the drafter's cuts only; 1 or
+        more: no draft, copies included)."""
         results: list = [None] * len(synced)
         ready: list[int] = []
         fed_rows: list[torch.Tensor] = []
@@ -138,16 +143,19 @@ class BatchedDrafter:
         predicted = self._run(sessions, torch.cat(fed_rows), fed_tokens)  # [B, H]: each session's last fed row
         for i, session in zip(ready, sessions):
             session.trusted = len(synced[i].context)
+        floors = min_probs if min_probs is not None else [0.0] * len(synced)
         drafting: list[int] = []  # indices into `ready`
         for j, (i, k) in enumerate(zip(ready, limits)):
+            # A copy's chance is not known: it is taken as likely, so only a floor no token
+            # can reach (1 or more) stops it.
             copied = lookup(synced[i].context, k, max(DEFAULT_MAX_NGRAM, self.drafter.lookup_ngram),
-                            self.drafter.lookup_ngram) if self.drafter.lookup_ngram and k > 0 else []
+                            self.drafter.lookup_ngram) if self.drafter.lookup_ngram and k > 0 and floors[i] < 1 else []
             if copied or k == 0:
                 results[i] = (copied, [])
             else:
                 drafting.append(j)
         chains = self._chains([sessions[j] for j in drafting], predicted[drafting] if drafting else predicted[:0],
-                              [limits[j] for j in drafting])
+                              [limits[j] for j in drafting], [floors[ready[j]] for j in drafting])
         for j, chain in zip(drafting, chains):
             results[ready[j]] = chain
         return results
@@ -195,22 +203,26 @@ class BatchedDrafter:
             session.ids.extend(fed)
         return out[0] if len(out) == 1 else torch.cat(out)
 
-    def _chains(self, sessions: list[Session], predicted: torch.Tensor,
-                limits: list[int]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    def _chains(self, sessions: list[Session], predicted: torch.Tensor, limits: list[int],
+                floors: list[float]) -> list[tuple[list[int], list[tuple[int, int]]]]:
         """The chain and alternatives of each session, depth by depth: the head's logits of
         every session still drafting in one call, one host read of their top-2 tokens and
-        stop decisions, and one head step feeding each continuing chain its token."""
+        stop decisions, and one head step feeding each continuing chain its token. `floors`:
+        each session's minimum probability for both cuts (propose_tree)."""
         drafter, head = self.drafter, self.head
         chains: list[list[int]] = [[] for _ in sessions]
         alternatives: list[list[tuple[int, int]]] = [[] for _ in sessions]
         active = list(range(len(sessions)))
         chain_prob = torch.ones(len(sessions), device=predicted.device)
+        floor = torch.tensor(floors, dtype=chain_prob.dtype, device=predicted.device)
+        chain_cut = floor.clamp(min=drafter.min_chain_prob)
+        alt_cut = floor.clamp(min=drafter.min_alt_prob)
         depth = 0
         while active:
             top = torch.softmax(head.logits(predicted), -1).topk(2, -1)  # values, indices [A, 2]
-            with_alternative = chain_prob * top.values[:, 1] >= drafter.min_alt_prob
+            with_alternative = chain_prob * top.values[:, 1] >= alt_cut
             chain_prob = chain_prob * top.values[:, 0]
-            going_on = chain_prob >= drafter.min_chain_prob
+            going_on = chain_prob >= chain_cut
             tokens = head.draft_vocab[top.indices]  # [A, 2] target ids
             first, second, alt, go = torch.stack(
                 [tokens[:, 0], tokens[:, 1], with_alternative.long(), going_on.long()]).tolist()  # the depth's one read
@@ -228,6 +240,7 @@ class BatchedDrafter:
             if len(continuing) < len(active):  # drop the rows of chains that ended
                 keep = torch.tensor(continuing, device=predicted.device)
                 predicted, chain_prob = predicted[keep], chain_prob[keep]
+                chain_cut, alt_cut = chain_cut[keep], alt_cut[keep]
                 active = [active[row] for row in continuing]
             predicted = self._run([sessions[s] for s in active], predicted, [[chains[s][-1]] for s in active])
             depth += 1

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xe8\x01\n\rVerifyRequest\x12\'\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x18.specdec.v1.SessionDelta\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x17\n\x0freturn_features\x18\x04 \x01(\x08\x12\x12\n\ndraft_next\x18\x05 \x01(\r\x12\x11\n\trun_ahead\x18\x06 \x01(\r\x12\x12\n\ntoken_room\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\"\x99\x01\n\x0eVerifyResponse\x12&\n\x07verdict\x18\x01 \x01(\x0b\x32\x13.specdec.v1.VerdictH\x00\x12,\n\x06resync\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.ResyncRequiredH\x00\x12\'\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x16.specdec.v1.RoundErrorH\x00\x42\x08\n\x06result\"|\n\x12VerifyBatchRequest\x12)\n\x06rounds\x18\x01 \x03(\x0b\x32\x19.specdec.v1.VerifyRequest\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12*\n\x0brun_changes\x18\x03 \x03(\x0b\x32\x15.specdec.v1.RunChange\"C\n\tRunChange\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\x04\x12\x12\n\ndraft_next\x18\x03 \x01(\r\"\xb6\x02\n\x13VerifyBatchResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specdec.v1.VerifyResponse\x12\x0e\n\x06step_s\x18\x02 \x01(\x01\x12\x0c\n\x04rows\x18\x03 \x01(\r\x12\x0f\n\x07step_id\x18\x04 \x01(\x04\x12\x12\n\nerror_code\x18\x05 \x01(\x05\x12\x15\n\rerror_message\x18\x06 \x01(\t\x12\x0f\n\x07\x64raft_s\x18\x07 \x01(\x01\x12(\n\tcontinued\x18\x08 \x03(\x0b\x32\x15.specdec.v1.Continued\x12\x14\n\x0c\x61head_rounds\x18\t \x01(\r\x12\x14\n\x0c\x61head_drafts\x18\n \x01(\r\x12\x16\n\x0e\x61head_drafting\x18\x0b \x01(\r\x12\x19\n\x11\x61head_head_rounds\x18\x0c \x01(\r\"\x9c\x01\n\tContinued\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_len\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12*\n\x06result\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.VerifyResponse\x12\x0e\n\x06run_id\x18\x05 \x01(\x04\x12\x14\n\x0c\x64rafted_with\x18\x06 \x01(\r\"\xba\x01\n\x07Verdict\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x12\n\ncached_len\x18\x03 \x01(\r\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x15\n\rfeature_start\x18\x05 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0c\x12\x13\n\x0bnext_drafts\x18\x07 \x03(\x05\x12\x14\n\x0c\x65xtra_tokens\x18\x08 \x03(\x05\x12\x0e\n\x06run_id\x18\t \x01(\x04\x32\xfa\x02\n\x0cTargetWorker\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12N\n\x0bVerifyBatch\x12\x1e.specdec.v1.VerifyBatchRequest\x1a\x1f.specdec.v1.VerifyBatchResponse\x12S\n\x0cVerifyStream\x12\x1e.specdec.v1.VerifyBatchRequest\x1a\x1f.specdec.v1.VerifyBatchResponse(\x01\x30\x01\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12@\n\x07GetInfo\x12\x1d.specdec.v1.WorkerInfoRequest\x1a\x16.specdec.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x80\x02\n\rVerifyRequest\x12\'\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x18.specdec.v1.SessionDelta\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x17\n\x0freturn_features\x18\x04 \x01(\x08\x12\x12\n\ndraft_next\x18\x05 \x01(\r\x12\x11\n\trun_ahead\x18\x06 \x01(\r\x12\x12\n\ntoken_room\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x16\n\x0emin_draft_prob\x18\t \x01(\x02\"\x99\x01\n\x0eVerifyResponse\x12&\n\x07verdict\x18\x01 \x01(\x0b\x32\x13.specdec.v1.VerdictH\x00\x12,\n\x06resync\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.ResyncRequiredH\x00\x12\'\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x16.specdec.v1.RoundErrorH\x00\x42\x08\n\x06result\"|\n\x12VerifyBatchRequest\x12)\n\x06rounds\x18\x01 \x03(\x0b\x32\x19.specdec.v1.VerifyRequest\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12*\n\x0brun_changes\x18\x03 \x03(\x0b\x32\x15.specdec.v1.RunChange\"p\n\tRunChange\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06run_id\x18\x02 \x01(\x04\x12\x12\n\ndraft_next\x18\x03 \x01(\r\x12\x16\n\x0emin_draft_prob\x18\x04 \x01(\x02\x12\x13\n\x0bmore_rounds\x18\x05 \x01(\r\"\xb6\x02\n\x13VerifyBatchResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.specdec.v1.VerifyResponse\x12\x0e\n\x06step_s\x18\x02 \x01(\x01\x12\x0c\n\x04rows\x18\x03 \x01(\r\x12\x0f\n\x07step_id\x18\x04 \x01(\x04\x12\x12\n\nerror_code\x18\x05 \x01(\x05\x12\x15\n\rerror_message\x18\x06 \x01(\t\x12\x0f\n\x07\x64raft_s\x18\x07 \x01(\x01\x12(\n\tcontinued\x18\x08 \x03(\x0b\x32\x15.specdec.v1.Continued\x12\x14\n\x0c\x61head_rounds\x18\t \x01(\r\x12\x14\n\x0c\x61head_drafts\x18\n \x01(\r\x12\x16\n\x0e\x61head_drafting\x18\x0b \x01(\r\x12\x19\n\x11\x61head_head_rounds\x18\x0c \x01(\r\"\x9c\x01\n\tContinued\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63ontext_len\x18\x02 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12*\n\x06result\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.VerifyResponse\x12\x0e\n\x06run_id\x18\x05 \x01(\x04\x12\x14\n\x0c\x64rafted_with\x18\x06 \x01(\r\"\xba\x01\n\x07Verdict\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x12\n\ncached_len\x18\x03 \x01(\r\x12\x11\n\tcompute_s\x18\x04 \x01(\x01\x12\x15\n\rfeature_start\x18\x05 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x06 \x01(\x0c\x12\x13\n\x0bnext_drafts\x18\x07 \x03(\x05\x12\x14\n\x0c\x65xtra_tokens\x18\x08 \x03(\x05\x12\x0e\n\x06run_id\x18\t \x01(\x04\x32\xfa\x02\n\x0cTargetWorker\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12N\n\x0bVerifyBatch\x12\x1e.specdec.v1.VerifyBatchRequest\x1a\x1f.specdec.v1.VerifyBatchResponse\x12S\n\x0cVerifyStream\x12\x1e.specdec.v1.VerifyBatchRequest\x1a\x1f.specdec.v1.VerifyBatchResponse(\x01\x30\x01\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12@\n\x07GetInfo\x12\x1d.specdec.v1.WorkerInfoRequest\x1a\x16.specdec.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.target_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYREQUEST']._serialized_start=65
-  _globals['_VERIFYREQUEST']._serialized_end=297
-  _globals['_VERIFYRESPONSE']._serialized_start=300
-  _globals['_VERIFYRESPONSE']._serialized_end=453
-  _globals['_VERIFYBATCHREQUEST']._serialized_start=455
-  _globals['_VERIFYBATCHREQUEST']._serialized_end=579
-  _globals['_RUNCHANGE']._serialized_start=581
-  _globals['_RUNCHANGE']._serialized_end=648
-  _globals['_VERIFYBATCHRESPONSE']._serialized_start=651
-  _globals['_VERIFYBATCHRESPONSE']._serialized_end=961
-  _globals['_CONTINUED']._serialized_start=964
-  _globals['_CONTINUED']._serialized_end=1120
-  _globals['_VERDICT']._serialized_start=1123
-  _globals['_VERDICT']._serialized_end=1309
-  _globals['_TARGETWORKER']._serialized_start=1312
-  _globals['_TARGETWORKER']._serialized_end=1690
+  _globals['_VERIFYREQUEST']._serialized_end=321
+  _globals['_VERIFYRESPONSE']._serialized_start=324
+  _globals['_VERIFYRESPONSE']._serialized_end=477
+  _globals['_VERIFYBATCHREQUEST']._serialized_start=479
+  _globals['_VERIFYBATCHREQUEST']._serialized_end=603
+  _globals['_RUNCHANGE']._serialized_start=605
+  _globals['_RUNCHANGE']._serialized_end=717
+  _globals['_VERIFYBATCHRESPONSE']._serialized_start=720
+  _globals['_VERIFYBATCHRESPONSE']._serialized_end=1030
+  _globals['_CONTINUED']._serialized_start=1033
+  _globals['_CONTINUED']._serialized_end=1189
+  _globals['_VERDICT']._serialized_start=1192
+  _globals['_VERDICT']._serialized_end=1378
+  _globals['_TARGETWORKER']._serialized_start=1381
+  _globals['_TARGETWORKER']._serialized_end=1759
 # @@protoc_insertion_point(module_scope)

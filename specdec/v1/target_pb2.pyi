@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("delta", "draft_tokens", "sampling", "return_features", "draft_next", "run_ahead", "token_room", "stop_token_ids")
+    __slots__ = ("delta", "draft_tokens", "sampling", "return_features", "draft_next", "run_ahead", "token_room", "stop_token_ids", "min_draft_prob")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class VerifyRequest(_message.Message):
     RUN_AHEAD_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ROOM_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_DRAFT_PROB_FIELD_NUMBER: _ClassVar[int]
     delta: _common_pb2.SessionDelta
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -25,7 +26,8 @@ class VerifyRequest(_message.Message):
     run_ahead: int
     token_room: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, delta: _Optional[_Union[_common_pb2.SessionDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., draft_next: _Optional[int] = ..., run_ahead: _Optional[int] = ..., token_room: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    min_draft_prob: float
+    def __init__(self, delta: _Optional[_Union[_common_pb2.SessionDelta, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_features: _Optional[bool] = ..., draft_next: _Optional[int] = ..., run_ahead: _Optional[int] = ..., token_room: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_draft_prob: _Optional[float] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("verdict", "resync", "error")
@@ -48,14 +50,18 @@ class VerifyBatchRequest(_message.Message):
     def __init__(self, rounds: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ..., step_id: _Optional[int] = ..., run_changes: _Optional[_Iterable[_Union[RunChange, _Mapping]]] = ...) -> None: ...
 
 class RunChange(_message.Message):
-    __slots__ = ("session_id", "run_id", "draft_next")
+    __slots__ = ("session_id", "run_id", "draft_next", "min_draft_prob", "more_rounds")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_NEXT_FIELD_NUMBER: _ClassVar[int]
+    MIN_DRAFT_PROB_FIELD_NUMBER: _ClassVar[int]
+    MORE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     run_id: int
     draft_next: int
-    def __init__(self, session_id: _Optional[str] = ..., run_id: _Optional[int] = ..., draft_next: _Optional[int] = ...) -> None: ...
+    min_draft_prob: float
+    more_rounds: int
+    def __init__(self, session_id: _Optional[str] = ..., run_id: _Optional[int] = ..., draft_next: _Optional[int] = ..., min_draft_prob: _Optional[float] = ..., more_rounds: _Optional[int] = ...) -> None: ...
 
 class VerifyBatchResponse(_message.Message):
     __slots__ = ("results", "step_s", "rows", "step_id", "error_code", "error_message", "draft_s", "continued", "ahead_rounds", "ahead_drafts", "ahead_drafting", "ahead_head_rounds")
