@@ -106,7 +106,7 @@ def test_up_passes_dtype_to_the_draft_worker_it_spawns(monkeypatch):
     monkeypatch.setattr(asyncio, "create_subprocess_exec", fake_exec)
     args = build_parser().parse_args(["up", "--draft", "some-draft", "--dtype", "float16"])
     with pytest.raises(RuntimeError, match="stop here"):
-        run(up._spawn_draft(args, Path("/certs"), Path("/certs/ca.pem")))
+        run(up._start_draft(args, Path("/certs"), Path("/certs/ca.pem")))
     command = seen[0]
     assert command[command.index("serve") + 1] == "draft"
     assert command[command.index("--dtype") + 1] == "float16"
@@ -246,3 +246,34 @@ def test_bf16_greedy_through_the_services_equals_bf16_target_alone(drafter, mode
         expected = bf16_reference(model_dirs["target"], chat_ids(tokenizer, prompt), MAX_NEW)
         assert slow.token_ids == expected, prompt
         assert fast.token_ids == expected, prompt
+
+
+def test_up_starts_a_draft_models_process_before_it_serves_anything(monkeypatch):
+    """The child is forked while this process has no gRPC thread yet (gRPC skips its fork
+    handlers when its threads run, and the child can abort), and stopped when `up` fails."""
+    from specdec.cli import build_parser, up
+    from target_worker import service as target_service
+
+    order = []
+
+    class Child:
+        returncode = None
+
+    async def start_draft(*args):
+        order.append("draft process")
+        return Child()
+
+    async def serve(config):
+        order.append("target server")
+        raise RuntimeError("stop here")
+
+    async def stop_child(child):
+        order.append("draft stopped")
+
+    monkeypatch.setattr(up, "_start_draft", start_draft)
+    monkeypatch.setattr(up, "_stop_child", stop_child)
+    monkeypatch.setattr(target_service, "serve", serve)
+    args = build_parser().parse_args(["up", "--draft", "some-draft", "--port", "0"])
+    with pytest.raises(RuntimeError, match="stop here"):
+        run(up.run(args))
+    assert order == ["draft process", "target server", "draft stopped"]

@@ -67,23 +67,27 @@ async def run(args) -> int:
     head = args.draft if args.draft not in (NGRAM, flags.NO_DRAFT) and is_eagle_dir(args.draft) else None
     target_config = worker_config(args.target)
     target_config.head = head
-    target = await target_service.serve(target_config)
-    print(f"target worker  ({args.target}{f', head {head}' if head else ''}) listening on {target.address}",
-          flush=True)
-    servers = [target]
+    # n-gram: no model, nothing to contend. Beside a head on the target it is the draft
+    # worker for rounds on a target replica that runs no head.
+    draft_model = NGRAM if head is not None else args.draft
     draft_addr = child = None
     try:
-        # n-gram: no model, nothing to contend. Beside a head on the target it is the draft
-        # worker for rounds on a target replica that runs no head.
-        draft_model = NGRAM if head is not None else args.draft
+        if draft_model not in (NGRAM, flags.NO_DRAFT):
+            # A model draft runs in a process of its own, as in a deployment: its torch
+            # threads in this process measured verification rounds ~1.8x slower here. It is
+            # started before this process serves anything: forked while gRPC's threads run,
+            # a child can abort before it runs the worker (gRPC then skips its fork handlers).
+            child = await _start_draft(args, cert_dir, certs["ca"])
+        target = await target_service.serve(target_config)
+        print(f"target worker  ({args.target}{f', head {head}' if head else ''}) listening on {target.address}",
+              flush=True)
+        servers = [target]
         if draft_model == NGRAM:
             draft = await draft_service.serve(worker_config(NGRAM))
             servers.insert(0, draft)
             draft_addr = draft.address
-        elif draft_model != flags.NO_DRAFT:
-            # A model draft runs in a process of its own, as in a deployment: its torch
-            # threads in this process measured verification rounds ~1.8x slower here.
-            child, draft_addr = await _spawn_draft(args, cert_dir, certs["ca"])
+        elif child is not None:
+            draft_addr = await _draft_listening(child, args.draft)
         if draft_addr is not None:
             print(f"draft worker   ({draft_model}) listening on {draft_addr}", flush=True)
         config = flags.coordinator_config(args, target.address, draft_addr, args.target, coordinator_tls)
@@ -100,9 +104,9 @@ async def run(args) -> int:
     return 0
 
 
-async def _spawn_draft(args, cert_dir, ca) -> tuple[asyncio.subprocess.Process, str]:
+async def _start_draft(args, cert_dir, ca) -> asyncio.subprocess.Process:
     """`specdec serve draft` for `specdec up` in a child process, on a free loopback port with
-    this run's mutual TLS; returns the process and its address once it listens."""
+    this run's mutual TLS (`_draft_listening` waits for its address)."""
     command = [sys.executable, "-m", "specdec", "serve", "draft", "--host", "127.0.0.1", "--port", "0",
                "--model", args.draft, "--tls-cert", str(cert_dir / "server.pem"),
                "--tls-key", str(cert_dir / "server.key"), "--tls-client-ca", str(ca),
@@ -112,17 +116,21 @@ async def _spawn_draft(args, cert_dir, ca) -> tuple[asyncio.subprocess.Process, 
                "--kv-cache", args.kv_cache, "--kv-memory-fraction", str(args.kv_memory_fraction),
                "--kv-block-size", str(args.kv_block_size),
                "--grace-period", "2", "--log-format", args.log_format or "text"]
-    child = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE,
-                                                 preexec_fn=parent_death_signal())
+    return await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE,
+                                                preexec_fn=parent_death_signal())
+
+
+async def _draft_listening(child: asyncio.subprocess.Process, draft: str) -> str:
+    """The address the draft worker `child` listens on, once it says so."""
     marker = "draft listening on "
     while True:
         line = (await child.stdout.readline()).decode()
         if not line:
             code = await child.wait()
-            raise ValueError(f"the draft worker for --draft {args.draft} exited ({code}) before listening; "
+            raise ValueError(f"the draft worker for --draft {draft} exited ({code}) before listening; "
                              "its log is above")
         if line.startswith(marker):
-            return child, line[len(marker):].strip()
+            return line[len(marker):].strip()
 
 
 def parent_death_signal():
