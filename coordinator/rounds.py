@@ -231,21 +231,22 @@ class RoundRunner:
         if not self._straight_to_target(gen):  # its replica no longer runs a head: ask the drafter
             self.target.end_run(gen.target)
             return False
+        k, changed = 0, False  # nothing is drafted: nothing to decide but the rounds it may run
+        if gen.plan.speculate and self.target.runs_head(gen.target):
+            k, probing = self._decide(gen)
+            if probing:
+                self.target.end_run(gen.target)
+                return False
+            changed = k != gen.ahead_asked[0]
         grant = self.target.run_grant(gen.target)
-        if not (gen.plan.speculate and self.target.runs_head(gen.target)):
-            if grant:  # nothing is drafted: nothing to decide but the rounds it may run
-                self.target.change_run(gen.target, 0, 0.0, grant)
-            return True
-        self._decide(gen)
-        if gen.decided == (gen.ahead_asked[0], False):
-            if grant:
-                self.target.change_run(gen.target, gen.ahead_asked[0], self._draft_price(gen), grant)
-            return True
-        if not gen.decided[1] and self.target.change_run(gen.target, gen.decided[0], self._draft_price(gen), grant):
+        if changed or grant:
+            sent = self.target.change_run(gen.target, k, self._draft_price(gen) if k else 0.0, grant)
+            if changed and not sent:
+                self.target.end_run(gen.target)
+                return False
+        if changed:
             gen.ahead_asked = gen.decided
-            return True
-        self.target.end_run(gen.target)
-        return False
+        return True
 
     async def _ran_ahead(self, gen: Generation, wait: bool = True):
         """The next round the target replica ran ahead (wait=False: only one already here),
