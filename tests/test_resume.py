@@ -143,7 +143,13 @@ def test_a_sampled_stream_resumes_with_its_seed(seeded, flat_target, other_draft
             async with Client(stack.address) as client:
                 request = make_request(PROMPTS[0], max_new_tokens=MAX_NEW, k=3, seed=7 if seeded else None,
                                        **SAMPLING)
-                return await every_seam(client, request)
+                # Unseeded, the server draws the seed: ~3% of seeds sample the end of sequence
+                # within 4 tokens, too short a stream to cut at 3 seams; such a draw is redrawn.
+                for _ in range(10):
+                    whole, seams = await every_seam(client, request)
+                    if seeded or len(seams) >= 3:
+                        return whole, seams
+                return whole, seams
 
     whole, seams = run(scenario())
     assert_every_seam_continues_exactly(whole, seams)
