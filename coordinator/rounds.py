@@ -190,7 +190,9 @@ class RoundRunner:
                     text, new = text + more_text, new + more
                 response = self._response(gen, new, text)
                 gen.answered += 1
-                if ahead is None and not gen.done:
+                if ahead is None and not gen.done and not self.target.running_ahead(gen.target):
+                    # Queued before the client's write; a round the replica runs ahead is
+                    # running already, and is awaited here after the write, task-free.
                     ahead = asyncio.get_running_loop().create_task(self._round(gen))
                 yield response
         finally:

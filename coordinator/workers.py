@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 
 import grpc
@@ -799,6 +800,7 @@ class TargetClient(WorkerClient):
         # verify and next_ahead), and the sessions whose rounds run ahead.
         self.run_ahead = run_ahead
         self._runs: dict[str, _AheadRun] = {}
+        self._changes: dict[StepStream, list] = {}  # run changes to send, per stream (change_run)
         self._stream_ends = 0  # step streams that ended, to any replica
         # Longest run of committed tokens one round sends while batching (see verify).
         self.prefill_chunk = prefill_chunk
@@ -947,26 +949,36 @@ class TargetClient(WorkerClient):
         """Asks the session's replica to draft `draft_next` tokens per block, at
         `min_draft_prob` (verify), from the run's next round on, and lets the run go
         `more_rounds` rounds further (RunChange, sent in the background); False where it
-        cannot be sent."""
+        cannot be sent. The changes asked for one replica while the event loop runs what is
+        ready go together, one message (a step's verdicts wake their requests together,
+        and each may top its run up)."""
         run = self._runs.get(session.session_id)
         stream = self._streams.get(run.address) if run is not None and run.run_id else None
         if stream is None or stream.unsupported:
             return False
         run.left += more_rounds
-        change = target_pb2.VerifyBatchRequest(run_changes=[target_pb2.RunChange(
-            session_id=session.session_id, run_id=run.run_id, draft_next=draft_next,
-            min_draft_prob=min_draft_prob, more_rounds=more_rounds)])
+        change = target_pb2.RunChange(session_id=session.session_id, run_id=run.run_id, draft_next=draft_next,
+                                      min_draft_prob=min_draft_prob, more_rounds=more_rounds)
+        waiting = self._changes.get(stream)
+        if waiting is None:
+            waiting = self._changes[stream] = []
+            asyncio.get_running_loop().call_soon(self._send_changes, stream, run.address)
+        waiting.append(change)
+        return True
+
+    def _send_changes(self, stream: StepStream, address: str) -> None:
+        """Sends the run changes waiting for `stream`, as one message."""
+        changes = self._changes.pop(stream, [])
 
         async def send() -> None:
             try:
-                await stream.step(change, self.call_timeout_s)
-            except (grpc.aio.AioRpcError, StreamUnsupported) as exc:  # the run ends with its stream
-                log.debug("run change for %s on %s failed: %s", session.session_id, run.address, exc)
+                await stream.step(target_pb2.VerifyBatchRequest(run_changes=changes), self.call_timeout_s)
+            except (grpc.aio.AioRpcError, StreamUnsupported) as exc:  # the runs end with their stream
+                log.debug("%d run changes on %s failed: %s", len(changes), address, exc)
 
         task = asyncio.get_running_loop().create_task(send())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        return True
 
     def end_run(self, session: WorkerSession) -> None:
         """Waits for no more rounds run ahead for the session (its next round is sent)."""
@@ -994,14 +1006,15 @@ class TargetClient(WorkerClient):
         if session.deadline is not None:
             timeout = min(timeout, max(0.001, session.deadline - began))
         while True:
-            if not wait and run.queue.empty():
-                return None
-            try:
-                got = await asyncio.wait_for(run.queue.get(), max(0.0, began + timeout - loop.time()))
-            except TimeoutError:
-                log.info("no round run ahead for session %s on %s within %.3g s: sending its next round",
-                         session.session_id, run.address, timeout)
-                break
+            if not run.arrived:
+                if not wait:
+                    return None
+                left = began + timeout - loop.time()
+                if left <= 0 or not await run.arrival(left):
+                    log.info("no round run ahead for session %s on %s within %.3g s: sending its next round",
+                             session.session_id, run.address, timeout)
+                    break
+            got = run.arrived.popleft()
             if got is None:
                 break  # the stream it ran on ended
             address, item = got
@@ -1036,21 +1049,40 @@ class TargetClient(WorkerClient):
         for item in response.continued:
             run = self._runs.get(item.session_id)
             if run is not None:
-                run.queue.put_nowait((address, item))
+                run.put((address, item))
 
     def _stream_ended(self, address: str) -> None:
         self._stream_ends += 1
         for run in self._runs.values():
             if run.address == address:
-                run.queue.put_nowait(None)
+                run.put(None)
 
 
 @dataclass
 class _AheadRun:
     """A session whose replica may run its rounds ahead: what it sent, as it arrives."""
 
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # (address, Continued) as they arrived, None where a stream ended; `waiter`: the request
+    # awaiting the next one. Not an asyncio.Queue: a wait with a deadline on one costs a task.
+    arrived: deque = field(default_factory=deque)
+    waiter: asyncio.Future | None = None
     run_id: int = 0  # 0: its first round is not answered yet
     address: str | None = None
     stream_ends: int = 0  # TargetClient._stream_ends when it began
     left: int = 0  # rounds the replica may still run beyond those received here
+
+    def put(self, item) -> None:
+        self.arrived.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(True)
+
+    async def arrival(self, timeout_s: float) -> bool:
+        """Waits up to timeout_s for something to arrive; whether it did."""
+        loop = asyncio.get_running_loop()
+        waiter = self.waiter = loop.create_future()
+        timer = loop.call_later(timeout_s, lambda: waiter.done() or waiter.set_result(False))
+        try:
+            return await waiter
+        finally:
+            timer.cancel()
+            self.waiter = None

@@ -147,6 +147,36 @@ def test_a_run_the_coordinator_tops_up_lasts_the_whole_request(target, tokenizer
     assert held == (0, 0)
 
 
+def test_the_run_changes_one_steps_verdicts_bring_go_as_one_message(target, tokenizer):
+    """The requests a step's verdicts wake each top their runs up: their RunChanges reach
+    the worker together, in fewer messages than changes."""
+    requests = [make_request(p, max_new_tokens=MAX_NEW, speculate=False) for p in PROMPTS * 2]
+
+    async def scenario():
+        async with running_stack(target, tokenizer, run_ahead_rounds=4) as stack:
+            runs = stack.target_servicer.runs
+            seen = {"messages": 0, "changes": 0}
+            step = runs.step
+
+            async def counted(request, context, stream):
+                if request is not None and request.run_changes:
+                    seen["messages"] += 1
+                    seen["changes"] += len(request.run_changes)
+                return await step(request, context, stream)
+
+            runs.step = counted
+            async with Client(stack.address) as client:
+                results = await asyncio.gather(*(client.complete(r) for r in requests))
+            return results, seen
+
+    results, seen = run(scenario())
+    for prompt, result in zip(PROMPTS * 2, results):
+        assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, prompt), MAX_NEW)
+    # Six runs of 4, each topped up every 2 rounds over 40 rounds: ~20 changes per request.
+    assert seen["changes"] >= 6 * 10, seen
+    assert seen["messages"] <= seen["changes"] // 2, seen
+
+
 def test_seeded_sampling_runs_ahead_as_it_runs_without(target, tokenizer):
     requests = [make_request(p, max_new_tokens=MAX_NEW, k=4, temperature=0.8, top_k=20, seed=7 + i)
                 for i, p in enumerate(PROMPTS)]
