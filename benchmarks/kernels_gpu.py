@@ -8,6 +8,9 @@ are timed with CUDA events (median of REPEATS after WARMUP calls). Bandwidth is 
 the bytes a kernel must read, divided by its time:
 
 * greedy_verify:    the logits of every scored position, B * (k + 1) * V * itemsize;
+* greedy_verify_rows: ragged chains in place, one chain of k drafts among B - 1 without
+                    (a step where one request drafts): its (B + k) scored rows, against the
+                    reference's argmax of every row;
 * rejection_sample: p and q of the one position each row emits from, B * V * 4 * 2
                     (the kernel reads them twice; acceptance gathers are negligible);
 * sampled_match:    one-hot drafts (the coupled rule): p at every position up to num_draft,
@@ -83,6 +86,28 @@ def bench_greedy(batch: int, k: int, vocab: int) -> dict:
         "greedy_verify", batch, k, vocab, logits.numel() * logits.element_size(),
         time_ms(lambda: greedy_verify_triton(logits, draft_tokens, num_draft)),
         time_ms(lambda: greedy_verify_ref(logits, draft_tokens, num_draft)), match,
+    )
+
+
+def bench_greedy_rows(batch: int, k: int, vocab: int) -> dict:
+    from target_worker.kernels.greedy_verify import greedy_verify_rows_triton
+    from target_worker.kernels.greedy_verify_ref import greedy_verify_rows_ref
+
+    logits = torch.randn(batch + k, vocab, device="cuda").to(LOGITS_DTYPE)  # [R, V]: the step's rows
+    rows = torch.zeros(batch, k + 1, dtype=torch.int64, device="cuda")
+    rows[0] = torch.arange(k + 1, device="cuda")  # the drafting chain first, then one row per chain
+    rows[1:, 0] = torch.arange(k + 1, batch + k, device="cuda")
+    num_draft = torch.zeros(batch, dtype=torch.int64, device="cuda")
+    num_draft[0] = k
+    draft_tokens = torch.zeros(batch, k, dtype=torch.int64, device="cuda")
+    draft_tokens[0] = logits[:k].argmax(dim=-1)  # all accepted: every row of the chain read
+    got = greedy_verify_rows_triton(logits, rows, draft_tokens, num_draft)
+    expected = greedy_verify_rows_ref(logits, rows, draft_tokens, num_draft)
+    match = all(torch.equal(a, b) for a, b in zip(got, expected))
+    return entry(
+        "greedy_verify_rows", batch, k, vocab, logits.numel() * logits.element_size(),
+        time_ms(lambda: greedy_verify_rows_triton(logits, rows, draft_tokens, num_draft)),
+        time_ms(lambda: greedy_verify_rows_ref(logits, rows, draft_tokens, num_draft)), match,
     )
 
 
@@ -178,7 +203,7 @@ def main() -> int:
         grid = [(49152, 8, 4)]
     results = []
     for vocab, batch, k in grid:
-        for bench in (bench_greedy, bench_rejection, bench_sampled_match, bench_warp):
+        for bench in (bench_greedy, bench_greedy_rows, bench_rejection, bench_sampled_match, bench_warp):
             results.append(bench(batch, k, vocab))
             print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     report = {

@@ -393,32 +393,29 @@ class Verifier:
 
     @staticmethod
     def _decide_rows(logits: list[torch.Tensor], rows: list[_Decision]) -> tuple[list[int], list[int]]:
-        """(accepted, next token) per decision row: the greedy rows in one greedy_verify call
-        and the sampled ones in one warp + sampled_match call, each over a ragged batch padded
-        to its longest chain (the kernels read num_draft and never look past it; pad rows
-        repeat a row of the chain), then one host read of all results."""
+        """(accepted, next token) per decision row: the greedy rows in one greedy_verify_rows
+        call over the step's logits where the forward wrote them (ragged chains, no copy
+        padded to the longest), the sampled ones in one warp + sampled_match call over a
+        batch padded to its longest chain (the kernels read num_draft and never look past it;
+        pad rows repeat a row of the chain), then one host read of all results."""
         groups = [[i for i, r in enumerate(rows) if r.sampling.greedy],
                   [i for i, r in enumerate(rows) if not r.sampling.greedy]]
         device = logits[0].device
-        every = logits[0] if len(logits) == 1 else None  # the step's rows, concatenated when needed
+        every = _joined(logits)  # [R, V]: the step's rows
         results: list[torch.Tensor] = []
         for group in groups:
             if not group:
                 continue
             width = max(len(rows[i].drafts) for i in group)
-            if len(group) == 1 and len(logits) == 1 and rows[group[0]].rows == list(range(width + 1)):
-                chains = logits[0][None, :width + 1]  # [1, K + 1, V]: the one chain, no copy
-            else:
-                if every is None:
-                    every = torch.cat(logits)  # [R, V]
-                index = [rows[i].rows + [rows[i].rows[0]] * (width + 1 - len(rows[i].rows)) for i in group]
-                chains = every[torch.tensor(index, dtype=torch.long, device=device)]  # [N, K + 1, V]
+            index = torch.tensor([rows[i].rows + [rows[i].rows[0]] * (width + 1 - len(rows[i].rows)) for i in group],
+                                 dtype=torch.long, device=device)  # [N, K + 1]
             draft = torch.tensor([rows[i].drafts + [0] * (width - len(rows[i].drafts)) for i in group],
                                  dtype=torch.long, device=device).reshape(len(group), width)  # [N, K]
             num_draft = torch.tensor([len(rows[i].drafts) for i in group], dtype=torch.long, device=device)  # [N]
             if group is groups[0]:
-                accepted, next_token = ops.greedy_verify(chains, draft, num_draft)
+                accepted, next_token = ops.greedy_verify_rows(every, index, draft, num_draft)
             else:
+                chains = every[index]  # [N, K + 1, V]
                 params = [rows[i].sampling for i in group]
                 probs = ops.warp_probs(chains, torch.tensor([p.temperature for p in params]),
                                        torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]))
@@ -437,3 +434,21 @@ class Verifier:
                 accepted_out[i], next_out[i] = values[at + j], values[at + n + j]
             at += 2 * n
         return accepted_out, next_out
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The [R, V] rows of `parts` ([rᵢ, V] each) as one tensor: a view where they are
+    consecutive slices of one contiguous tensor (as a forward's per-session split returns
+    them), else a copy."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    width = first.shape[1]
+    at = first.storage_offset()
+    for part in parts:
+        if (not part.is_contiguous() or part.shape[1] != width or part.storage_offset() != at
+                or part.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            return torch.cat(parts)
+        at += part.numel()
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
+                                   (sum(part.shape[0] for part in parts), width), (width, 1))

@@ -38,10 +38,12 @@ rejection_constants = dict(
 )
 cases = {
     "argmax_bf16": (greedy_verify._argmax_kernel,
-        dict(logits_ptr="*bf16", num_draft_ptr="*i64", target_tokens_ptr="*i64", k="i32", V="i32"),
+        dict(logits_ptr="*bf16", rows_ptr="*i64", num_draft_ptr="*i64", target_tokens_ptr="*i64", k="i32",
+             V="i32"),
         dict(NO_TOKEN=greedy_verify.NO_TOKEN, BLOCK_V=BLOCK_V)),
     "argmax_fp32": (greedy_verify._argmax_kernel,
-        dict(logits_ptr="*fp32", num_draft_ptr="*i64", target_tokens_ptr="*i64", k="i32", V="i32"),
+        dict(logits_ptr="*fp32", rows_ptr="*i64", num_draft_ptr="*i64", target_tokens_ptr="*i64", k="i32",
+             V="i32"),
         dict(NO_TOKEN=greedy_verify.NO_TOKEN, BLOCK_V=BLOCK_V)),
     "accept": (greedy_verify._accept_kernel,
         dict(draft_tokens_ptr="*i64", target_tokens_ptr="*i64", num_draft_ptr="*i64",

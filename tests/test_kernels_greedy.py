@@ -129,3 +129,43 @@ def test_ops_accepts_int32_indices() -> None:
     expected = greedy_verify_ref(logits, draft_tokens, num_draft)
     got = ops.greedy_verify(logits, draft_tokens.int(), num_draft.int())
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+def ragged(batch: int, k: int, vocab: int, dtype: torch.dtype, seed: int):
+    """Ragged chains packed as a step writes them ([R, V], each chain's num_draft + 1 rows
+    in turn, in a shuffled order of chains), their row table padded past num_draft with rows
+    of other chains, and the same chains as a padded [B, k + 1, V] batch."""
+    padded, draft_tokens, num_draft = make_dummy(batch, k, vocab, dtype, seed)
+    generator = torch.Generator().manual_seed(seed + 1)
+    order = torch.randperm(batch, generator=generator).tolist()
+    starts, at = [0] * batch, 0
+    for b in order:
+        starts[b], at = at, at + int(num_draft[b]) + 1
+    packed = torch.empty(at, vocab, dtype=dtype)
+    rows = torch.randint(0, at, (batch, k + 1), generator=generator)  # garbage past num_draft
+    for b in range(batch):
+        n = int(num_draft[b]) + 1
+        packed[starts[b]:starts[b] + n] = padded[b, :n]
+        rows[b, :n] = torch.arange(starts[b], starts[b] + n)
+    return packed, rows, padded, draft_tokens, num_draft
+
+
+@pytest.mark.parametrize(
+    ("batch", "k", "vocab", "dtype", "block_v"),
+    [
+        (1, 0, 1031, torch.float32, None),
+        (9, 5, 1031, torch.float32, 256),  # one long chain among short ones, multi-tile
+        (7, 8, 49152, torch.bfloat16, None),
+        (33, 1, 1031, torch.float16, 128),
+    ],
+)
+def test_ragged_rows_equal_the_padded_batch(batch: int, k: int, vocab: int, dtype: torch.dtype,
+                                            block_v: int | None) -> None:
+    from target_worker.kernels.greedy_verify_ref import greedy_verify_rows_ref
+
+    packed, rows, padded, draft_tokens, num_draft = ragged(batch, k, vocab, dtype, seed=batch + k)
+    expected = greedy_verify_ref(padded, draft_tokens, num_draft)
+    for got in (greedy_verify_rows_ref(packed, rows, draft_tokens, num_draft),
+                triton_kernels.greedy_verify_rows_triton(packed, rows, draft_tokens, num_draft, block_v=block_v),
+                ops.greedy_verify_rows(packed, rows.int(), draft_tokens.int(), num_draft.int())):
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])

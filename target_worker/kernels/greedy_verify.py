@@ -3,7 +3,10 @@ plain torch.
 
 Stage 1 (`_argmax_kernel`, grid [B, k + 1]): one program per (row, position) walks the
 vocabulary in BLOCK_V tiles and writes the target's argmax. Positions past a row's num_draft
-are never needed, so their programs run zero tiles and read nothing.
+are never needed, so their programs run zero tiles and read nothing. The logits of a
+position are found through a row table (`rows`, [B, k + 1] into [R, V] logits): a step's
+chains are ragged, and the table lets them be verified where the forward wrote them, with
+no copy padded to the longest chain (`greedy_verify_rows_triton`).
 Stage 2 (`_accept_kernel`, grid [B]): compares drafts with those argmaxes and writes the
 accepted length and the correction / bonus token.
 
@@ -27,7 +30,8 @@ NO_TOKEN = 2**31 - 1
 
 @triton.jit
 def _argmax_kernel(
-    logits_ptr,  # [B, k + 1, V] fp32 / bf16 / fp16
+    logits_ptr,  # [R, V] fp32 / bf16 / fp16
+    rows_ptr,  # [B, k + 1] int64: the logits row of each (row, position)
     num_draft_ptr,  # [B] int64
     target_tokens_ptr,  # [B, k + 1] int64 out, written at positions <= num_draft
     k,
@@ -40,7 +44,8 @@ def _argmax_kernel(
     num_draft = tl.minimum(tl.maximum(tl.load(num_draft_ptr + row), 0), k)
     needed = position <= num_draft
     v_end = tl.where(needed, V, 0)
-    base = logits_ptr + (row * (k + 1) + position).to(tl.int64) * V
+    logits_row = tl.load(rows_ptr + row * (k + 1) + position, mask=needed, other=0)
+    base = logits_ptr + logits_row.to(tl.int64) * V
 
     lanes = tl.arange(0, BLOCK_V)
     best = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -93,12 +98,27 @@ def greedy_verify_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (accepted [B] int64, next_token [B] int64); see greedy_verify_ref."""
     batch, positions, vocab = logits.shape
+    rows = torch.arange(batch * positions, dtype=torch.int64, device=logits.device).view(batch, positions)
+    return greedy_verify_rows_triton(logits.reshape(batch * positions, vocab), rows, draft_tokens, num_draft, block_v)
+
+
+def greedy_verify_rows_triton(
+    logits: torch.Tensor,  # [R, V] fp32 / bf16 / fp16
+    rows: torch.Tensor,  # [B, k + 1] int64 into logits
+    draft_tokens: torch.Tensor,  # [B, k] int64
+    num_draft: torch.Tensor,  # [B] int64
+    block_v: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (accepted [B] int64, next_token [B] int64); see greedy_verify_rows_ref."""
+    batch, positions = rows.shape
+    vocab = logits.shape[1]
     k = positions - 1
-    assert logits.dtype in (torch.float32, torch.bfloat16, torch.float16), logits.dtype
+    assert logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16, torch.float16), logits.dtype
+    assert rows.dtype == torch.int64
     assert draft_tokens.shape == (batch, k) and draft_tokens.dtype == torch.int64
     assert num_draft.shape == (batch,) and num_draft.dtype == torch.int64
     assert 0 < vocab < NO_TOKEN
-    assert_launchable(_argmax_kernel, logits, draft_tokens, num_draft)
+    assert_launchable(_argmax_kernel, logits, rows, draft_tokens, num_draft)
     block_v = block_size(vocab, block_v)
 
     target_tokens = torch.empty((batch, positions), dtype=torch.int64, device=logits.device)
@@ -107,7 +127,7 @@ def greedy_verify_triton(
     if batch == 0:
         return accepted, next_token
     _argmax_kernel[(batch, positions)](
-        logits, num_draft, target_tokens, k, vocab,
+        logits, rows, num_draft, target_tokens, k, vocab,
         NO_TOKEN=NO_TOKEN, BLOCK_V=block_v, num_warps=NUM_WARPS,
     )
     _accept_kernel[(batch,)](

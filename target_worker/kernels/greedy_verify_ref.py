@@ -19,11 +19,34 @@ def greedy_verify_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (accepted [B] int64, next_token [B] int64)."""
     batch, positions, _ = logits.shape
+    assert draft_tokens.shape == (batch, positions - 1) and num_draft.shape == (batch,)
+    return accept_ref(logits.argmax(dim=-1), draft_tokens, num_draft)
+
+
+def greedy_verify_rows_ref(
+    logits: torch.Tensor,  # [R, V]: the step's scored rows, each once
+    rows: torch.Tensor,  # [B, k + 1] int64: row b's position j is logits[rows[b, j]]
+    draft_tokens: torch.Tensor,  # [B, k] int64, entries past num_draft are padding
+    num_draft: torch.Tensor,  # [B] int64, clamped to [0, k]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy_verify_ref over ragged chains: each of the R rows' argmax once, then each
+    chain's positions read from them (entries of `rows` past num_draft may name any row).
+    Returns (accepted [B] int64, next_token [B] int64)."""
+    batch, positions = rows.shape
+    assert logits.dim() == 2 and draft_tokens.shape == (batch, positions - 1) and num_draft.shape == (batch,)
+    return accept_ref(logits.argmax(dim=-1)[rows], draft_tokens, num_draft)
+
+
+def accept_ref(
+    target_tokens: torch.Tensor,  # [B, k + 1] int64, the target's token at each position
+    draft_tokens: torch.Tensor,  # [B, k] int64
+    num_draft: torch.Tensor,  # [B] int64
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drafts kept while they equal the target's tokens; the target's token at the first stop."""
+    batch, positions = target_tokens.shape
     k = positions - 1
-    assert draft_tokens.shape == (batch, k) and num_draft.shape == (batch,)
-    target_tokens = logits.argmax(dim=-1)  # [B, k + 1]
     num_draft = num_draft.clamp(0, k)
-    draft_index = torch.arange(k, device=logits.device)  # [k]
+    draft_index = torch.arange(k, device=target_tokens.device)  # [k]
     stop = (draft_tokens != target_tokens[:, :k]) | (draft_index >= num_draft[:, None])  # [B, k]
     # A sentinel stop after the last draft makes "index of the first stop" the accepted length.
     stop = torch.cat((stop, stop.new_ones(batch, 1)), dim=1)  # [B, k + 1]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from specdec.runtime.paged_attention import paged_attention_reference
-from target_worker.kernels.greedy_verify_ref import greedy_verify_ref
+from target_worker.kernels.greedy_verify_ref import greedy_verify_ref, greedy_verify_rows_ref
 from target_worker.kernels.rejection_sample_ref import rejection_sample_ref
 from target_worker.kernels.warp_ref import warp_probs_ref
 
@@ -53,6 +53,28 @@ def greedy_verify(
 
         return greedy_verify_triton(logits, draft_tokens, num_draft)
     return greedy_verify_ref(logits, draft_tokens, num_draft)
+
+
+def greedy_verify_rows(
+    logits: torch.Tensor,  # [R, V] fp32 / bf16 / fp16: a step's scored rows, each once
+    rows: torch.Tensor,  # [B, k + 1] int: the logits row of each chain position
+    draft_tokens: torch.Tensor,  # [B, k] int, entries past num_draft are ignored
+    num_draft: torch.Tensor,  # [B] int, drafts per row (0 .. k)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy_verify over ragged chains, in place: chain b's position j is scored by
+    logits[rows[b, j]] (entries past num_draft may name any row and are not read on CUDA).
+    A step whose chains differ in length verifies them where the forward wrote their logits,
+    without a [B, k + 1, V] copy padded to the longest chain (one long chain in a large step
+    would make every chain as long)."""
+    logits = logits.contiguous()
+    rows = rows.to(device=logits.device, dtype=torch.int64).contiguous()
+    draft_tokens = draft_tokens.to(device=logits.device, dtype=torch.int64).contiguous()
+    num_draft = num_draft.to(device=logits.device, dtype=torch.int64).contiguous()
+    if _use_triton(logits):
+        from target_worker.kernels.greedy_verify import greedy_verify_rows_triton
+
+        return greedy_verify_rows_triton(logits, rows, draft_tokens, num_draft)
+    return greedy_verify_rows_ref(logits, rows, draft_tokens, num_draft)
 
 
 def rejection_sample(
