@@ -35,11 +35,12 @@ import torch
 from specdec.errors import InvalidArgument, SpecdecError
 from specdec.eagle.batched import BufferedHead
 from specdec.eagle.paged import PagedHead, head_pool_blocks
-from specdec.philox import round_uniforms
+from specdec.philox import STREAM_SAMPLE, philox_uniforms
 from specdec.runtime.lm import CausalLM
 from specdec.sampling import GREEDY, Sampling
 from specdec.sessions import Resync, Session, SessionStore, SyncedContext
 from target_worker.kernels import ops
+from target_worker.kernels.greedy_verify_ref import accept_ref
 
 
 @dataclass(frozen=True)
@@ -393,11 +394,11 @@ class Verifier:
 
     @staticmethod
     def _decide_rows(logits: list[torch.Tensor], rows: list[_Decision]) -> tuple[list[int], list[int]]:
-        """(accepted, next token) per decision row: the greedy rows in one greedy_verify_rows
-        call over the step's logits where the forward wrote them (ragged chains, no copy
-        padded to the longest), the sampled ones in one warp + sampled_match call over a
-        batch padded to its longest chain (the kernels read num_draft and never look past it;
-        pad rows repeat a row of the chain), then one host read of all results."""
+        """(accepted, next token) per decision row, each row of the step's logits read once
+        whatever the chains' lengths (no batch padded to the longest chain): the greedy rows
+        in one greedy_verify_rows call over the logits where the forward wrote them (pad
+        entries of the row table repeat a row of the chain and are never read), the sampled
+        ones through _sampled_rows; then one host read of all results."""
         groups = [[i for i, r in enumerate(rows) if r.sampling.greedy],
                   [i for i, r in enumerate(rows) if not r.sampling.greedy]]
         device = logits[0].device
@@ -415,13 +416,7 @@ class Verifier:
             if group is groups[0]:
                 accepted, next_token = ops.greedy_verify_rows(every, index, draft, num_draft)
             else:
-                chains = every[index]  # [N, K + 1, V]
-                params = [rows[i].sampling for i in group]
-                probs = ops.warp_probs(chains, torch.tensor([p.temperature for p in params]),
-                                       torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]))
-                _, u_sample = round_uniforms(torch.tensor([p.seed for p in params]),
-                                             torch.tensor([rows[i].first_position for i in group]), width)
-                accepted, next_token = ops.sampled_match(probs, draft, num_draft, u_sample)
+                accepted, next_token = Verifier._sampled_rows(every, [rows[i] for i in group], draft, num_draft)
             results += [accepted, next_token]
         values = torch.cat(results).tolist()  # the step's one host read
         accepted_out, next_out = [0] * len(rows), [0] * len(rows)
@@ -434,6 +429,29 @@ class Verifier:
                 accepted_out[i], next_out[i] = values[at + j], values[at + n + j]
             at += 2 * n
         return accepted_out, next_out
+
+    @staticmethod
+    def _sampled_rows(every: torch.Tensor, rows: list[_Decision], draft: torch.Tensor,
+                      num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accepted [N], next token [N]) of sampled decisions: each scored position's row
+        warped with its round's parameters and drawn once with the uniform of its absolute
+        position (one warp_probs and one sampled_match call over those rows alone), then the
+        drafts kept while they equal the draws — the coupled one-hot rule of
+        ops.sampled_match, position for position, without padding the chains."""
+        device = every.device
+        pairs = [(g, j) for g, row in enumerate(rows) for j in range(len(row.drafts) + 1)]
+        at = torch.tensor([rows[g].rows[j] for g, j in pairs], dtype=torch.long, device=device)  # [M]
+        params = [rows[g].sampling for g, _ in pairs]
+        probs = ops.warp_probs(every[at], torch.tensor([p.temperature for p in params]),
+                               torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]))
+        u_sample = philox_uniforms(torch.tensor([p.seed for p in params]),
+                                   torch.tensor([[rows[g].first_position + j] for g, j in pairs]), STREAM_SAMPLE)
+        none = torch.zeros(len(pairs), dtype=torch.long, device=device)
+        _, drawn_flat = ops.sampled_match(probs[:, None], none[:, None][:, :0], none, u_sample)  # [M]
+        drawn = torch.zeros(len(rows), draft.shape[1] + 1, dtype=torch.long, device=device)  # [N, K + 1]
+        drawn[torch.tensor([g for g, _ in pairs], device=device), torch.tensor([j for _, j in pairs], device=device)] = \
+            drawn_flat
+        return accept_ref(drawn, draft, num_draft)
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -166,6 +166,7 @@ def test_hand_built(impl: str, case: str) -> None:
         (7, 1, 1031, False, None),
         (1, 8, 49152, False, None),  # 12 tiles of 4096
         (7, 8, 49152, False, 16384),
+        (9, 0, 1031, False, None),  # a draw per row alone (a step's sampled rows, in place)
     ],
 )
 def test_kernel_matches_reference(
@@ -311,3 +312,36 @@ def test_round_uniforms_do_not_depend_on_where_rounds_split() -> None:
     assert torch.equal(later_accept, u_accept[:, 2:4])
     assert torch.equal(later_sample, u_sample[:, 2:5])
     assert not torch.equal(u_accept, u_sample[:, :4])  # the two streams differ
+
+
+def test_a_steps_sampled_chains_decided_in_place_equal_the_padded_batch() -> None:
+    """Verifier._sampled_rows (each scored row warped and drawn once, no padding) takes the
+    tokens ops.sampled_match takes over the chains padded to the longest, with each round's
+    own parameters and uniforms."""
+    from specdec.sampling import Sampling
+    from target_worker.verify import Verifier, _Decision
+
+    vocab, generator = 1031, torch.Generator().manual_seed(11)
+    lengths = [0, 5, 1, 0, 3, 2, 0]  # drafts per round, in step order
+    every = torch.randn(sum(n + 1 for n in lengths), vocab, generator=generator) * 2  # [R, V]
+    every[torch.arange(every.shape[0]), torch.randint(0, vocab, (every.shape[0],), generator=generator)] += 12.0
+    rows, at = [], 0
+    for i, n in enumerate(lengths):
+        sampling = Sampling(temperature=0.7 + 0.1 * i, top_k=[0, 50, 5][i % 3], top_p=[1.0, 0.9][i % 2], seed=100 + i)
+        target = every[at:at + n + 1].argmax(-1).tolist()
+        drafts = target[:n] if i % 2 else [(t + 1) % vocab for t in target[:n]]  # kept, or not
+        rows.append(_Decision(list(range(at, at + n + 1)), drafts, 40 + 3 * i, sampling))
+        at += n + 1
+    width = max(lengths)
+    draft = torch.tensor([r.drafts + [0] * (width - len(r.drafts)) for r in rows])
+    num_draft = torch.tensor(lengths)
+    got = Verifier._sampled_rows(every, rows, draft, num_draft)
+
+    index = torch.tensor([r.rows + [r.rows[0]] * (width + 1 - len(r.rows)) for r in rows])
+    probs = ops.warp_probs(every[index], torch.tensor([r.sampling.temperature for r in rows]),
+                           torch.tensor([r.sampling.top_k for r in rows]), torch.tensor([r.sampling.top_p for r in rows]))
+    _, u_sample = round_uniforms(torch.tensor([r.sampling.seed for r in rows]),
+                                 torch.tensor([r.first_position for r in rows]), width)
+    expected = ops.sampled_match(probs, draft, num_draft, u_sample)
+    assert got[0].tolist() == expected[0].tolist() and got[1].tolist() == expected[1].tolist()
+    assert 0 < sum(got[0].tolist()) < sum(lengths)  # some drafts kept, some not

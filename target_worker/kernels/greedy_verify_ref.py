@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from target_worker.kernels.rejection_sample_ref import accepted_length
+
 
 def greedy_verify_ref(
     logits: torch.Tensor,  # [B, k + 1, V] fp32 / bf16 / fp16
@@ -42,14 +44,9 @@ def accept_ref(
     draft_tokens: torch.Tensor,  # [B, k] int64
     num_draft: torch.Tensor,  # [B] int64
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Drafts kept while they equal the target's tokens; the target's token at the first stop."""
-    batch, positions = target_tokens.shape
-    k = positions - 1
-    num_draft = num_draft.clamp(0, k)
-    draft_index = torch.arange(k, device=target_tokens.device)  # [k]
-    stop = (draft_tokens != target_tokens[:, :k]) | (draft_index >= num_draft[:, None])  # [B, k]
-    # A sentinel stop after the last draft makes "index of the first stop" the accepted length.
-    stop = torch.cat((stop, stop.new_ones(batch, 1)), dim=1)  # [B, k + 1]
-    accepted = stop.to(torch.int8).argmax(dim=1)  # [B], argmax returns the first maximum
+    """Drafts kept while they equal the target's tokens (its argmax, or its draws when
+    sampling one-hot drafts); the target's token at the first stop."""
+    k = target_tokens.shape[1] - 1
+    accepted = accepted_length(draft_tokens == target_tokens[:, :k], num_draft.clamp(0, k))  # [B]
     next_token = target_tokens.gather(1, accepted[:, None]).squeeze(1)  # [B]
     return accepted, next_token
