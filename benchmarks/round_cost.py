@@ -23,7 +23,9 @@ Side by side in one run, speculation off (one token per round, so a round is one
   links on mutual TLS — the same clients.
 - **services (baseline)**, with `--baseline DIR`: a coordinator run from another checkout
   (e.g. `git worktree add /tmp/base HEAD~1`) before the same workers, so a coordinator
-  change is measured before/after in one run ("baseline / services" in the report).
+  change is measured before/after in one run ("baseline / services" in the report); with
+  `--baseline-workers` before a target and a draft worker run from that checkout too, for a
+  worker change.
 
 Per configuration: milliseconds per round after the first token (a client's time from its
 first token to its last / its rounds after the first; the worker loop: per step), tokens/s
@@ -125,14 +127,17 @@ async def through(address: str, batch: int, rounds: int, coordinator_pid: int | 
     return run
 
 
-def start_services(model_dir: str, threads: int, workdir: Path, baseline: Path | None = None) -> dict[str, ServiceProcess]:
+def start_services(model_dir: str, threads: int, workdir: Path, baseline: Path | None = None,
+                   baseline_workers: bool = False) -> dict[str, ServiceProcess]:
     """The two workers, and two coordinators in front of them: one sending steps on worker
     streams, one ("coordinator-unary") as unary calls; with `baseline`, a third
-    ("coordinator-baseline") run from that source tree."""
+    ("coordinator-baseline") run from that source tree — before workers of its own, run from
+    it too, with `baseline_workers`."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     names = (("target", "draft", "coordinator", "coordinator-lockstep", "coordinator-unary")
-             + (("coordinator-baseline",) if baseline else ()))
+             + (("coordinator-baseline",) if baseline else ())
+             + (("target-baseline", "draft-baseline") if baseline and baseline_workers else ()))
     ports = {name: free_port() for name in names}
     common = ["--host", "127.0.0.1", "--grace-period", "1"]
     links = ["--target-addr", f"127.0.0.1:{ports['target']}", "--draft-addr", f"127.0.0.1:{ports['draft']}",
@@ -147,10 +152,18 @@ def start_services(model_dir: str, threads: int, workdir: Path, baseline: Path |
                               "--no-worker-streams"],
     }
     if baseline is not None:
+        base_links = links
+        if baseline_workers:
+            argvs["target-baseline"] = ["serve", "target", "--port", str(ports["target-baseline"]), "--model",
+                                        model_dir, *common]
+            argvs["draft-baseline"] = ["serve", "draft", "--port", str(ports["draft-baseline"]), "--model", "ngram",
+                                       *common]
+            base_links = ["--target-addr", f"127.0.0.1:{ports['target-baseline']}",
+                          "--draft-addr", f"127.0.0.1:{ports['draft-baseline']}", *links[4:]]
         argvs["coordinator-baseline"] = ["serve", "coordinator", "--port", str(ports["coordinator-baseline"]),
-                                         *common, *links]
+                                         *common, *base_links]
     services = {name: ServiceProcess(name, ports[name], argvs[name], workdir / f"{name}.log", env,
-                                     cwd=baseline if name == "coordinator-baseline" else REPO) for name in argvs}
+                                     cwd=baseline if name.endswith("-baseline") else REPO) for name in argvs}
     for service in services.values():
         service.spawn()
     for service in services.values():
@@ -167,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every process")
     parser.add_argument("--baseline", default=None,
                         help="another checkout whose coordinator also runs before the same workers")
+    parser.add_argument("--baseline-workers", action="store_true",
+                        help="with --baseline: the baseline coordinator talks to workers run from that checkout too")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default="round-cost", help="file name of the record, without .json / .md")
     args = parser.parse_args(argv)
@@ -183,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     asyncio.set_event_loop(loop)
     baseline = Path(args.baseline).resolve() if args.baseline else None
     modes = MODES + (("services (baseline)",) if baseline else ())
-    services = start_services(model_dir, args.threads, workdir, baseline)
+    services = start_services(model_dir, args.threads, workdir, baseline, args.baseline_workers)
     up = SpecdecUp(model_dir, "ngram", 4, args.threads, loop, extra_args=["--rate-limit", "0"])
     runs: list[dict] = []
     try:
@@ -257,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{row['services']['vs_no_run_ahead_tokens_per_s']:.2f} | "
                      f"{row['services']['coordinator_cpu_us_per_round']:.0f} |")
     if baseline is not None:
-        lines += ["", f"Baseline: a coordinator run from `{baseline}` before the same workers, steps on streams.", "",
+        before = "its own workers, run from there too" if args.baseline_workers else "the same workers"
+        lines += ["", f"Baseline: a coordinator run from `{baseline}` before {before}, steps on streams.", "",
                   "| B | services (baseline) ms/round | split ms/round | services split ms/round | split, this / baseline | "
                   "coordinator CPU µs per request-round, baseline / this |",
                   "| --- | --- | --- | --- | --- | --- |"]
