@@ -307,7 +307,8 @@ class RoundRunner:
             return self._head_draft(gen)
         gen.ahead_asked = (0, False)
         k = self._choose_k(gen)
-        drafts = await self._propose(gen.draft, gen.committed, k, gen.stats, gen.features) if k > 0 else []
+        drafts = (await self._propose(gen.draft, gen.committed, k, gen.stats, gen.features, self._draft_price(gen))
+                  if k > 0 else [])
         return drafts, None, 0
 
     def _head_draft(self, gen: Generation) -> tuple[list[int], tuple[int, bool], int]:
@@ -327,7 +328,8 @@ class RoundRunner:
         return gen.decided
 
     def _draft_price(self, gen: Generation) -> float:
-        """The least chance of being accepted at which the head on the target should draft a
+        """The least chance of being accepted at which a head (on the target, or on a draft
+        worker) should draft a
         token: what a draft row costs, in steps (coordinator.adaptive.StepCostModel). A token
         accepted with probability p is worth p of a round's one token per step, so below its
         price it lowers the request's tokens per step. At one request a row is nearly free
@@ -454,11 +456,13 @@ class RoundRunner:
         return response
 
     async def _propose(self, session: WorkerSession, committed: list[int], k: int, stats: Stats,
-                       features: FeatureLog | None = None) -> list[int]:
+                       features: FeatureLog | None = None, min_draft_prob: float = 0.0) -> list[int]:
         """Draft tokens, or none when the draft worker is down: the target alone still
-        gives the exact output, only slower (drafts are suggestions; the target decides)."""
+        gives the exact output, only slower (drafts are suggestions; the target decides).
+        A head on the draft worker drafts only tokens worth `min_draft_prob`, the price of a
+        draft row (_draft_price)."""
         try:
-            block = await self.draft.propose(session, committed, k, features)
+            block = await self.draft.propose(session, committed, k, features, min_draft_prob)
         except (Unavailable, ResourceExhausted, grpc.aio.AioRpcError) as exc:
             stats.draft_failures += 1
             log.warning("draft worker failed (%s); this round decodes with the target alone", exc)

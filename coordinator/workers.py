@@ -753,13 +753,16 @@ class DraftClient(WorkerClient):
         return stub.ProposeBatch
 
     async def propose(self, session: WorkerSession, committed: list[int], k: int,
-                      features: FeatureLog | None = None) -> draft_pb2.DraftBlock:
+                      features: FeatureLog | None = None, min_draft_prob: float = 0.0) -> draft_pb2.DraftBlock:
+        """Up to k draft tokens; a drafter with probabilities (a head) drafts a token only
+        where it puts its chance of being accepted at min_draft_prob or more (the price of a
+        draft row, ProposeRequest.min_draft_prob)."""
         def request(delta: common_pb2.SessionDelta) -> draft_pb2.ProposeRequest:
             if features is None:
-                return draft_pb2.ProposeRequest(delta=delta, k=k)
+                return draft_pb2.ProposeRequest(delta=delta, k=k, min_draft_prob=min_draft_prob)
             # The feature of the position before each committed token the delta carries.
             first = max(delta.start - 1, 0)
-            return draft_pb2.ProposeRequest(delta=delta, k=k, feature_start=first,
+            return draft_pb2.ProposeRequest(delta=delta, k=k, feature_start=first, min_draft_prob=min_draft_prob,
                                             features=features.rows(first, len(committed) - 1))
 
         return await self._round(session, committed, request, "Propose")

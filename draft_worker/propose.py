@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -27,6 +28,9 @@ class Request:
     k: int
     # For a drafter that reads target features: (feature_start, float16 bytes).
     features: tuple[int, bytes] | None = None
+    # The least probability of acceptance at which a drafter with probabilities drafts a
+    # token (ProposeRequest.min_draft_prob).
+    min_draft_prob: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -44,9 +48,9 @@ class Proposer:
         self.feature_size = int(getattr(drafter, "feature_size", 0) or 0)
 
     def propose(self, session_id: str, start: int, tokens: list[int], k: int,
-                features: tuple[int, bytes] | None = None) -> Proposal | Resync:
+                features: tuple[int, bytes] | None = None, min_draft_prob: float = 0.0) -> Proposal | Resync:
         """One round alone (the unary Propose rpc); errors raise."""
-        result = self.propose_batch([Request(session_id, start, tokens, k, features)]).results[0]
+        result = self.propose_batch([Request(session_id, start, tokens, k, features, min_draft_prob)]).results[0]
         if isinstance(result, BaseException):
             raise result
         return result
@@ -65,6 +69,8 @@ class Proposer:
                 seen.add(req.session_id)
                 if not 1 <= req.k <= self.max_k:
                     raise InvalidArgument(f"k must be in 1..{self.max_k}, got {req.k}")
+                if not (math.isfinite(req.min_draft_prob) and req.min_draft_prob >= 0):
+                    raise InvalidArgument(f"min_draft_prob: {req.min_draft_prob} is not a finite number >= 0")
                 if any(t < 0 for t in req.tokens):
                     raise InvalidArgument("delta.tokens: token ids must be non-negative")
                 features = None
@@ -83,8 +89,10 @@ class Proposer:
             sessions = [synced.session for _, synced, _ in ready]
             try:
                 if self.feature_size:
+                    # A feature-level head: the one drafter with probabilities of its own here.
                     proposals = self.drafter.propose_batch([s for _, s, _ in ready], [requests[i].k for i, _, _ in ready],
-                                                           [f for _, _, f in ready])
+                                                           [f for _, _, f in ready],
+                                                           [requests[i].min_draft_prob for i, _, _ in ready])
                 else:
                     proposals = self.drafter.propose_batch([s for _, s, _ in ready],
                                                            [requests[i].k for i, _, _ in ready])

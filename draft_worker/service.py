@@ -57,7 +57,7 @@ class DraftWorkerServicer(SessionWorkerRpcs, draft_pb2_grpc.DraftWorkerServicer)
         with metrics.worker_call("draft", "Propose"):
             result = await self.thread.run(
                 self.proposer.propose, delta.session_id, delta.start, list(delta.tokens), request.k,
-                (request.feature_start, request.features),
+                (request.feature_start, request.features), request.min_draft_prob,
             )
         log.debug("propose %s: start %d, %d new tokens, k %d -> %s", delta.session_id, delta.start,
                   len(delta.tokens), request.k, result)
@@ -73,7 +73,8 @@ class DraftWorkerServicer(SessionWorkerRpcs, draft_pb2_grpc.DraftWorkerServicer)
                            context: grpc.aio.ServicerContext) -> draft_pb2.ProposeBatchResponse:
         if len(request.rounds) > self.max_batch_rounds:
             raise InvalidArgument(f"rounds: {len(request.rounds)} exceeds the limit of {self.max_batch_rounds}")
-        requests = [Request(r.delta.session_id, r.delta.start, list(r.delta.tokens), r.k, (r.feature_start, r.features))
+        requests = [Request(r.delta.session_id, r.delta.start, list(r.delta.tokens), r.k, (r.feature_start, r.features),
+                            r.min_draft_prob)
                     for r in request.rounds]
         with metrics.worker_call("draft", "ProposeBatch", len(requests)):
             outcome = await self.thread.run(step_and_observe, self.proposer.propose_batch, requests, "draft", self.store)

@@ -58,10 +58,10 @@ def recording(drafter):
     seen = []
     original = drafter.propose_batch
 
-    def propose_batch(synced, ks, features=None):
+    def propose_batch(synced, ks, features=None, min_probs=None):
         for s, f in zip(synced, features or [None] * len(synced)):
             seen.append((list(s.context), f))
-        return original(synced, ks, features)
+        return original(synced, ks, features, min_probs)
 
     drafter.propose_batch = propose_batch
     return seen
@@ -190,3 +190,79 @@ def test_a_head_for_another_target_is_refused(target, tokenizer):
 
     with pytest.raises(FailedPrecondition, match="width 32"):
         run(scenario())
+
+
+def test_a_head_on_the_draft_worker_takes_the_price_of_a_row(target, tokenizer):
+    """ProposeRequest.min_draft_prob through a real draft worker serving a head: a price that
+    is not a finite number >= 0 fails its own round with INVALID_ARGUMENT, 0 drafts what the
+    worker's own cut allows, above 1 nothing (no token is that sure)."""
+    import grpc
+
+    from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+    from tests.harness import start_draft
+
+    prompt = chat_ids(tokenizer, PROMPTS[0])
+    features = hidden_states(target, prompt)[:len(prompt) - 1].numpy().tobytes()
+    prices = [float("nan"), -0.5, float("inf"), 0.0, 1.5]
+
+    async def scenario():
+        server, _ = await start_draft(make_head(target), tokenizer, **ALWAYS)
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                stub = draft_pb2_grpc.DraftWorkerStub(channel)
+                batch = await stub.ProposeBatch(draft_pb2.ProposeBatchRequest(rounds=[
+                    draft_pb2.ProposeRequest(delta=common_pb2.SessionDelta(session_id=f"s{i}", start=0, tokens=prompt),
+                                             k=4, feature_start=0, features=features, min_draft_prob=price)
+                    for i, price in enumerate(prices)]), timeout=60)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Propose(draft_pb2.ProposeRequest(
+                        delta=common_pb2.SessionDelta(session_id="alone", start=0, tokens=prompt), k=4,
+                        feature_start=0, features=features, min_draft_prob=-1.0), timeout=60)
+                return batch, refused.value
+        finally:
+            await server.stop(grace=0)
+
+    batch, refused = run(scenario())
+    for item in batch.results[:3]:
+        assert item.WhichOneof("result") == "error"
+        assert item.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "min_draft_prob" in item.error.message
+    assert len(batch.results[3].block.tokens) == 4
+    assert batch.results[4].WhichOneof("result") == "block" and len(batch.results[4].block.tokens) == 0
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_draft_prob" in refused.details()
+
+
+def test_the_coordinator_sends_its_price_of_a_row_with_every_propose(target, tokenizer, monkeypatch):
+    """Through the services with a head on the draft worker: each Propose carries the
+    coordinator's price of a draft row (RoundRunner._draft_price); priced above 1 the head
+    drafts nothing, and the output is the target's alone either way."""
+    from coordinator.rounds import RoundRunner
+
+    head = make_head(target)
+    prompt = PROMPTS[1]
+
+    def serve(price: float):
+        monkeypatch.setattr(RoundRunner, "_draft_price", lambda self, gen: price)
+
+        async def scenario():
+            async with running_stack(target, tokenizer, draft=head, draft_options=ALWAYS) as stack:
+                proposer = stack.draft_servicer.proposer
+                prices = []
+                original = proposer.propose_batch
+
+                def propose_batch(requests):
+                    prices.extend(r.min_draft_prob for r in requests)
+                    return original(requests)
+
+                proposer.propose_batch = propose_batch
+                async with Client(stack.address) as client:
+                    result = await client.complete(make_request(prompt, max_new_tokens=MAX_NEW, k=4))
+                return result, prices
+
+        return run(scenario())
+
+    cheap, cheap_prices = serve(0.0)
+    dear, dear_prices = serve(1.5)
+    expected = reference_greedy(target, chat_ids(tokenizer, prompt), MAX_NEW)
+    assert cheap.token_ids == dear.token_ids == expected
+    assert cheap_prices and set(cheap_prices) == {0.0} and cheap.stats["proposed"] > 0
+    assert dear_prices and set(dear_prices) == {1.5} and dear.stats["proposed"] == 0

@@ -273,9 +273,13 @@ class BatchedEagleDrafter:
         return 0 if session.cache is None else self.batched.storage.held_bytes(session.cache)
 
     def propose_batch(self, synced: list[SyncedContext], ks: list[int],
-                      features: list[Features | None] | None = None) -> list[list[int] | Resync]:
+                      features: list[Features | None] | None = None,
+                      min_probs: list[float] | None = None) -> list[list[int] | Resync]:
+        """Per session up to k tokens; `min_probs`: per session the least probability of
+        acceptance, by the head's own estimate, at which it drafts (the caller's price of a
+        draft row; the drafter's own cut applies where it is higher)."""
         # A round without features can only draft what its cache already covers.
         empty = Features.from_rows(0, torch.zeros((0, self.feature_size), dtype=torch.float16))
         features = [f if f is not None else empty for f in (features or [None] * len(synced))]
-        results = self.batched.propose_tree(synced, ks, features)
+        results = self.batched.propose_tree(synced, ks, features, min_probs)
         return [result if isinstance(result, Resync) else result[0] for result in results]

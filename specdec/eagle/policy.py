@@ -111,10 +111,14 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def propose_batch(self, synced: list[SyncedContext], ks: list[int],
-                      features: list[Features | None] | None = None) -> list[list[int] | Resync]:
+                      features: list[Features | None] | None = None,
+                      min_probs: list[float] | None = None) -> list[list[int] | Resync]:
+        """One session at a time; `min_probs`: per session a floor on the chain's cut (the
+        caller's price of a draft row; 1 or more: no draft, copies included)."""
         features = features or [None] * len(synced)
-        return [self._propose_one(s, min(k, self.max_context - len(s.context)), f)
-                for s, k, f in zip(synced, ks, features)]
+        floors = min_probs if min_probs is not None else [0.0] * len(synced)
+        return [self._propose_one(s, min(k, self.max_context - len(s.context)), f, floor=floor)
+                for s, k, f, floor in zip(synced, ks, features, floors)]
 
     @torch.inference_mode()
     def propose_tree(self, synced: SyncedContext, k: int,
@@ -128,7 +132,7 @@ class EagleDrafter:
         return chain, [(depth, token) for depth, token in alternatives if depth < len(chain)]
 
     def _propose_one(self, synced: SyncedContext, k: int, features: Features | None,
-                     alternatives: list[tuple[int, int]] | None = None) -> list[int] | Resync:
+                     alternatives: list[tuple[int, int]] | None = None, floor: float = 0.0) -> list[int] | Resync:
         head, session, context = self.head, synced.session, synced.context
         cache = session.cache
         if cache is None:
@@ -152,7 +156,7 @@ class EagleDrafter:
         out = head.extend(cache, rows, fed)  # [n, H]
         session.ids.extend(fed)
         cache.trusted = len(context)
-        if self.lookup_ngram and k > 0:
+        if self.lookup_ngram and k > 0 and floor < 1:
             copied = lookup(context, k, max(DEFAULT_MAX_NGRAM, self.lookup_ngram), self.lookup_ngram)
             if copied:
                 return copied
@@ -161,10 +165,10 @@ class EagleDrafter:
         chain = 1.0
         for step in range(k):
             top = torch.softmax(head.logits(predicted), -1).topk(2, -1)
-            if alternatives is not None and chain * float(top.values[1]) >= self.min_alt_prob:
+            if alternatives is not None and chain * float(top.values[1]) >= max(self.min_alt_prob, floor):
                 alternatives.append((step, int(head.draft_vocab[int(top.indices[1])])))
             chain *= float(top.values[0])
-            if chain < self.min_chain_prob:
+            if chain < max(self.min_chain_prob, floor):
                 break
             token = int(head.draft_vocab[int(top.indices[0])])
             proposal.append(token)

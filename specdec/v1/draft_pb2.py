@@ -25,23 +25,23 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"m\n\x0eProposeRequest\x12\'\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x18.specdec.v1.SessionDelta\x12\t\n\x01k\x18\x02 \x01(\r\x12\x15\n\rfeature_start\x18\x03 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0c\"\x9b\x01\n\x0fProposeResponse\x12\'\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x16.specdec.v1.DraftBlockH\x00\x12,\n\x06resync\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.ResyncRequiredH\x00\x12\'\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x16.specdec.v1.RoundErrorH\x00\x42\x08\n\x06result\"R\n\x13ProposeBatchRequest\x12*\n\x06rounds\x18\x01 \x03(\x0b\x32\x1a.specdec.v1.ProposeRequest\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\"\x90\x01\n\x14ProposeBatchResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.specdec.v1.ProposeResponse\x12\x0e\n\x06step_s\x18\x02 \x01(\x01\x12\x0f\n\x07step_id\x18\x03 \x01(\x04\x12\x12\n\nerror_code\x18\x04 \x01(\x05\x12\x15\n\rerror_message\x18\x05 \x01(\t\"/\n\nDraftBlock\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x32\x82\x03\n\x0b\x44raftWorker\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12Q\n\x0cProposeBatch\x12\x1f.specdec.v1.ProposeBatchRequest\x1a .specdec.v1.ProposeBatchResponse\x12V\n\rProposeStream\x12\x1f.specdec.v1.ProposeBatchRequest\x1a .specdec.v1.ProposeBatchResponse(\x01\x30\x01\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12@\n\x07GetInfo\x12\x1d.specdec.v1.WorkerInfoRequest\x1a\x16.specdec.v1.WorkerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x85\x01\n\x0eProposeRequest\x12\'\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x18.specdec.v1.SessionDelta\x12\t\n\x01k\x18\x02 \x01(\r\x12\x15\n\rfeature_start\x18\x03 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0c\x12\x16\n\x0emin_draft_prob\x18\x05 \x01(\x02\"\x9b\x01\n\x0fProposeResponse\x12\'\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x16.specdec.v1.DraftBlockH\x00\x12,\n\x06resync\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.ResyncRequiredH\x00\x12\'\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x16.specdec.v1.RoundErrorH\x00\x42\x08\n\x06result\"R\n\x13ProposeBatchRequest\x12*\n\x06rounds\x18\x01 \x03(\x0b\x32\x1a.specdec.v1.ProposeRequest\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\"\x90\x01\n\x14ProposeBatchResponse\x12,\n\x07results\x18\x01 \x03(\x0b\x32\x1b.specdec.v1.ProposeResponse\x12\x0e\n\x06step_s\x18\x02 \x01(\x01\x12\x0f\n\x07step_id\x18\x03 \x01(\x04\x12\x12\n\nerror_code\x18\x04 \x01(\x05\x12\x15\n\rerror_message\x18\x05 \x01(\t\"/\n\nDraftBlock\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x11\n\tcompute_s\x18\x02 \x01(\x01\x32\x82\x03\n\x0b\x44raftWorker\x12\x42\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse\x12Q\n\x0cProposeBatch\x12\x1f.specdec.v1.ProposeBatchRequest\x1a .specdec.v1.ProposeBatchResponse\x12V\n\rProposeStream\x12\x1f.specdec.v1.ProposeBatchRequest\x1a .specdec.v1.ProposeBatchResponse(\x01\x30\x01\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12@\n\x07GetInfo\x12\x1d.specdec.v1.WorkerInfoRequest\x1a\x16.specdec.v1.WorkerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.draft_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROPOSEREQUEST']._serialized_start=63
-  _globals['_PROPOSEREQUEST']._serialized_end=172
-  _globals['_PROPOSERESPONSE']._serialized_start=175
-  _globals['_PROPOSERESPONSE']._serialized_end=330
-  _globals['_PROPOSEBATCHREQUEST']._serialized_start=332
-  _globals['_PROPOSEBATCHREQUEST']._serialized_end=414
-  _globals['_PROPOSEBATCHRESPONSE']._serialized_start=417
-  _globals['_PROPOSEBATCHRESPONSE']._serialized_end=561
-  _globals['_DRAFTBLOCK']._serialized_start=563
-  _globals['_DRAFTBLOCK']._serialized_end=610
-  _globals['_DRAFTWORKER']._serialized_start=613
-  _globals['_DRAFTWORKER']._serialized_end=999
+  _globals['_PROPOSEREQUEST']._serialized_start=64
+  _globals['_PROPOSEREQUEST']._serialized_end=197
+  _globals['_PROPOSERESPONSE']._serialized_start=200
+  _globals['_PROPOSERESPONSE']._serialized_end=355
+  _globals['_PROPOSEBATCHREQUEST']._serialized_start=357
+  _globals['_PROPOSEBATCHREQUEST']._serialized_end=439
+  _globals['_PROPOSEBATCHRESPONSE']._serialized_start=442
+  _globals['_PROPOSEBATCHRESPONSE']._serialized_end=586
+  _globals['_DRAFTBLOCK']._serialized_start=588
+  _globals['_DRAFTBLOCK']._serialized_end=635
+  _globals['_DRAFTWORKER']._serialized_start=638
+  _globals['_DRAFTWORKER']._serialized_end=1024
 # @@protoc_insertion_point(module_scope)

@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("delta", "k", "feature_start", "features")
+    __slots__ = ("delta", "k", "feature_start", "features", "min_draft_prob")
     DELTA_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     FEATURE_START_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    MIN_DRAFT_PROB_FIELD_NUMBER: _ClassVar[int]
     delta: _common_pb2.SessionDelta
     k: int
     feature_start: int
     features: bytes
-    def __init__(self, delta: _Optional[_Union[_common_pb2.SessionDelta, _Mapping]] = ..., k: _Optional[int] = ..., feature_start: _Optional[int] = ..., features: _Optional[bytes] = ...) -> None: ...
+    min_draft_prob: float
+    def __init__(self, delta: _Optional[_Union[_common_pb2.SessionDelta, _Mapping]] = ..., k: _Optional[int] = ..., feature_start: _Optional[int] = ..., features: _Optional[bytes] = ..., min_draft_prob: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("block", "resync", "error")
