@@ -28,7 +28,10 @@ round, so every request in it waits too: the Propose round's measured time, shar
 the requests drafting in the step. As B grows, fewer and shorter blocks pay, and at high
 load speculation stops where it would lower throughput (the known failure of speculative
 decoding at large batch sizes: Liu et al. 2024, "Optimizing Speculative Decoding for Serving
-LLMs Using Goodput", arXiv 2406.14066) and resumes when the load falls. Probes get rarer as
+LLMs Using Goodput", arXiv 2406.14066) and resumes when the load falls. Under load the
+draft rows of a step follow its rounds, which leaves the fit blind to a row's own cost; the
+model then pauses drafting on the replica for a few steps now and then, to see what the same
+load costs without drafts. Probes get rarer as
 they get dearer (PROBE_BUDGET), and a new request starts from the drafter's recent
 acceptance over all requests (`DrafterRecord`), not from a fixed belief.
 """
@@ -176,6 +179,9 @@ class AdaptiveK:
 # committed rows per round (no prefill chunk in it).
 STEP_WINDOW = 64
 STEP_DECAY = 0.95
+# The load a price is for: the median of the last USUAL_STEPS decode steps. When requests
+# finish, the few left see their price fall within a few steps, not after half the window.
+USUAL_STEPS = 5
 DECODE_ROWS_PER_ROUND = 2
 # The draft-row slope's prior: as if PRIOR_DRAFT_ROWS2 (draft rows², weighted) of steps had
 # shown each draft row costing DRAFT_TOKEN_COST of the step — right at one request, and
@@ -186,6 +192,18 @@ PRIOR_DRAFT_ROWS2 = 4.0
 ROUNDS_RIDGE = 1e-3
 # Beyond this the estimate is not trusted further (a draft token is never worth it there).
 MAX_DRAFT_TOKEN_COST = 4.0
+# Under load nearly every step carries draft rows in proportion to its rounds, and whatever
+# else drifts over time (contexts grow, prompts arrive, the price itself moves the drafting)
+# drifts with them: a fit over the window cannot tell a row's cost from a round's. So while
+# the usual step has at least two rounds and PAUSE_MIN_DRAFTS draft rows, drafting on the
+# replica pauses for PAUSE_STEPS decode steps once every PAUSE_EVERY steps (the first one or two
+# still carry the drafts decided before), and the row's cost is measured from the pause and
+# the PAUSE_STEPS decode steps before and after it — the same load, a few steps apart: a
+# controlled comparison. Each pause's figure enters a mean decayed by PAIRED_DECAY per pause.
+PAUSE_MIN_DRAFTS = 4.0
+PAUSE_STEPS = 8
+PAUSE_EVERY = 96
+PAIRED_DECAY = 0.5
 
 
 class StepCostModel:
@@ -194,20 +212,33 @@ class StepCostModel:
     (the draft slope shrunk towards the one-request prior). Measured rather than assumed
     because step time is far from linear in rows: flat while a step reads weights, steep once
     it computes, with a cost per session (its attention, its cache) on top (step timings in
-    benchmarks/results/NOTES.md). With B rounds in the usual (median) step,
-    `draft_token_cost()` = B·t_draft / t(usual) in units of a step: every request in the step
-    waits t_draft longer for each draft token; never below DRAFT_TOKEN_COST. A head on the
+    benchmarks/results/NOTES.md). With B rounds in the usual step (the median of the last
+    USUAL_STEPS: the fit remembers ~20 steps, the price follows the load as it changes),
+    `draft_token_cost()` = (1 + (B − 1)·τ)·t_draft / t(usual) in units of a step, τ the
+    tokens a round commits on this replica (decayed mean): a draft token delays every
+    request in the step by t_draft, its own (which it pays for with its chance of being
+    accepted) and the B − 1 others, each of which would have committed τ tokens per step in
+    that time — so it pays iff it adds more to the step's tokens than it takes from the
+    others (with τ = 1 the price would under-count every request that drafts well); never
+    below DRAFT_TOKEN_COST. A head on the
     target worker drafts inside the step: its time is taken out before the fit (`head_s`)
     and priced on its own (`head_cost`) — steps that verify drafts are mostly steps whose
     rounds ask for the next ones, so left in, the head's time would be fitted as the draft
     rows' and paid twice; it is added back to t(usual) as its mean per step. The fit runs
     when a figure is read, at most once per step observed: `observe` is on every step's path,
-    and with speculation off nothing reads the figures."""
+    and with speculation off nothing reads the figures.
+
+    Under load the window cannot separate a draft row's cost from a round's (PAUSE_STEPS
+    above), so the model pauses drafting on its replica now and then (`paused`): for a few
+    steps every request there decodes without drafts, and those steps against the ones just
+    before give t_draft by a controlled comparison, which then replaces the window's slope.
+    The pauses are what the measurement costs: PAUSE_STEPS of every PAUSE_EVERY steps while
+    drafting under load, none at one request or while nobody drafts."""
 
     def __init__(self) -> None:
         self.steps: deque[tuple[int, int, float]] = deque(maxlen=STEP_WINDOW)  # rounds, drafts, seconds
-        self.rounds = 1.0  # rounds in the median decode step
-        self.drafts = 0.0  # draft rows in the median decode step
+        self.rounds = 1.0  # rounds in the usual decode step (the median of the last USUAL_STEPS)
+        self.drafts = 0.0  # draft rows in the usual decode step
         self.drafting = 0.0  # decayed share of rounds that carry drafts
         self._step_s = 0.0  # the usual decode step's duration
         self._cost = DRAFT_TOKEN_COST
@@ -217,13 +248,44 @@ class StepCostModel:
         self.head = RoundTimes()
         self.head_asking = 0.0
         self.head_per_step = 0.0  # decayed mean of the head's drafting time per decode step
+        self.tokens_per_round = 1.0  # τ: decayed per step, from the rounds' verdicts
+        self._round_tokens = [0, 0]  # tokens and rounds recorded since the last step
+        self.pause_left = 0  # steps the current pause of drafting lasts still
+        self.since_pause = 0  # steps observed since the last pause began (or since the first)
+        self.pauses = 0
+        self._pause_wanted = False  # the last fit found drafting under load
+        # Decode steps (rounds, drafts, seconds without the head's drafting) of the current
+        # pause and the PAUSE_STEPS before it; the decayed mean of the paired figures (s per
+        # draft row) and its weight.
+        self._pair: list[tuple[int, int, int, float]] = []  # (step, rounds, drafts, seconds)
+        self._after_left = 0  # steps after the pause still to be taken into its measurement
+        self.paired = 0.0
+        self.paired_weight = 0.0
 
     def observe(self, rows: int, seconds: float, rounds: int, drafts: int = 0, drafting: int = 0,
                 head_s: float = 0.0) -> None:
         """A step: its rows, duration, rounds, draft rows, rounds with drafts, and the part
         of its duration a head on the worker spent drafting the next rounds."""
-        if rows <= 0 or seconds <= 0 or rounds <= 0 or rows - drafts > DECODE_ROWS_PER_ROUND * rounds:
+        if rows <= 0 or seconds <= 0 or rounds <= 0:
             return
+        self.since_pause += 1
+        if rows - drafts > DECODE_ROWS_PER_ROUND * rounds:
+            return  # a prefill chunk: neither fitted nor counted in a pause
+        if self.pause_left or self._after_left:
+            self._pair.append((self.since_pause, rounds, drafts, seconds - min(max(0.0, head_s), seconds)))
+            if self.pause_left:
+                self.pause_left -= 1
+                self._after_left = 0 if self.pause_left else PAUSE_STEPS
+            else:
+                self._after_left -= 1
+                if not self._after_left:
+                    self._measure_pause()
+        tokens, counted = self._round_tokens
+        if counted:
+            self._round_tokens = [0, 0]
+            mean = tokens / counted
+            self.tokens_per_round = mean if not self.steps else \
+                STEP_DECAY * self.tokens_per_round + (1 - STEP_DECAY) * mean
         share = drafting / rounds
         head_s = min(max(0.0, head_s), seconds)
         if not self.steps:
@@ -233,6 +295,12 @@ class StepCostModel:
             self.head_per_step = STEP_DECAY * self.head_per_step + (1 - STEP_DECAY) * head_s
         self.steps.append((rounds, drafts, seconds - head_s))
         self._stale = True
+
+    def observe_round(self, tokens: int) -> None:
+        """A round on this replica committed `tokens` (its accepted drafts, the target's
+        next token and any alternative's)."""
+        self._round_tokens[0] += tokens
+        self._round_tokens[1] += 1
 
     def observe_head(self, seconds: float, rounds: int, asking: int) -> None:
         """A step in which `asking` of its `rounds` asked the head on the target worker for
@@ -255,20 +323,73 @@ class StepCostModel:
 
     def _refit(self) -> None:
         self._stale = False
-        usual = sorted(self.steps)[len(self.steps) // 2]
+        recent = sorted(list(self.steps)[-USUAL_STEPS:])
+        usual = recent[len(recent) // 2]
         self.rounds, self.drafts = float(usual[0]), float(usual[1])
         base, per_draft = self.fit()
         self._step_s = base + self.head_per_step
-        cost = self.rounds * per_draft / self._step_s if self._step_s > 0 else MAX_DRAFT_TOKEN_COST
+        waiting = 1 + (self.rounds - 1) * self.tokens_per_round
+        cost = waiting * per_draft / self._step_s if self._step_s > 0 else MAX_DRAFT_TOKEN_COST
         self._cost = min(MAX_DRAFT_TOKEN_COST, max(DRAFT_TOKEN_COST, cost))
+        self._pause_wanted = self.rounds >= 2 and self.drafts >= PAUSE_MIN_DRAFTS
+
+    def _measure_pause(self) -> None:
+        """The row's cost from the pause just measured: least squares over the decode steps
+        of the pause and the PAUSE_STEPS before and after it, t − t_round·rounds = a +
+        t_draft·drafts + drift·step (t_round from the window's fit: the rounds barely differ
+        within a few steps; the drift takes out what changes steadily meanwhile, as contexts
+        grow)."""
+        pair, self._pair = self._pair, []
+        data = np.array(pair, dtype=np.float64).reshape(-1, 4)
+        drafts = data[:, 2]
+        if not (drafts == 0).any() or (drafts > 0).sum() < 2:
+            return  # the pause did not reach the steps, or nothing was drafted around it
+        x = np.column_stack([np.ones(len(data)), drafts, data[:, 0] - data[0, 0]])
+        y = data[:, 3] - self._fit_rounds() * data[:, 1]
+        slope = float(np.linalg.lstsq(x, y, rcond=None)[0][1])
+        self.paired = (PAIRED_DECAY * self.paired_weight * self.paired + max(0.0, slope)) / \
+            (PAIRED_DECAY * self.paired_weight + 1)
+        self.paired_weight = PAIRED_DECAY * self.paired_weight + 1
+        self._stale = True
+
+    @property
+    def paused(self) -> bool:
+        """Whether requests on this replica should decode without drafts now. A pause begins
+        when a figure is read and the last fit found drafting under load (at most once every
+        PAUSE_EVERY steps), and lasts PAUSE_STEPS steps."""
+        if self._stale:
+            self._refit()
+        if not self.pause_left and self._pause_wanted and self.since_pause >= PAUSE_EVERY:
+            self.pause_left, self.since_pause, self._pause_wanted = PAUSE_STEPS, 0, False
+            before = list(self.steps)[-PAUSE_STEPS:]
+            self._pair = [(self.since_pause - len(before) + i, *step) for i, step in enumerate(before)]
+            self.pauses += 1
+        return self.pause_left > 0
 
     def fit(self) -> tuple[float, float]:
         """(t(usual step) without the head's drafting, t_draft) in seconds; (1,
         DRAFT_TOKEN_COST) in units of a step before any step."""
         if not self.steps:
             return 1.0, DRAFT_TOKEN_COST
+        t0, per_round, per_draft = self._solve()
+        usual = float(t0 + per_round * self.rounds + per_draft * self.drafts)
+        return max(usual, 1e-6), per_draft
+
+    def _fit_rounds(self) -> float:
+        return self._solve()[1] if self.steps else 0.0
+
+    def _solve(self) -> tuple[float, float, float]:
+        """(t₀, t_round, t_draft) over the window. Once pauses have measured t_draft, it is
+        theirs and the window fits t₀ and t_round alone."""
         data = np.array(self.steps, dtype=np.float64)[::-1]  # newest first
         weights = STEP_DECAY ** np.arange(len(data))
+        if self.paired_weight > 0:
+            x = np.column_stack([np.ones(len(data)), data[:, 0]])
+            y = data[:, 2] - self.paired * data[:, 1]
+            xtx = (x * weights[:, None]).T @ x
+            xtx[1, 1] += ROUNDS_RIDGE * xtx[0, 0]
+            t0, per_round = np.linalg.solve(xtx, (x * weights[:, None]).T @ y)
+            return float(t0), float(per_round), self.paired
         x = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
         y = data[:, 2]
         xtx = (x * weights[:, None]).T @ x
@@ -278,9 +399,7 @@ class StepCostModel:
         xtx[2, 2] += PRIOR_DRAFT_ROWS2
         xty[2] += PRIOR_DRAFT_ROWS2 * DRAFT_TOKEN_COST * mean_t
         t0, per_round, per_draft = np.linalg.solve(xtx, xty)
-        per_draft = max(0.0, float(per_draft))
-        usual = float(t0 + per_round * self.rounds + per_draft * self.drafts)
-        return max(usual, 1e-6), per_draft
+        return float(t0), float(per_round), max(0.0, float(per_draft))
 
     @property
     def step_s(self) -> float:

@@ -321,7 +321,10 @@ class RoundRunner:
 
     def _decide(self, gen: Generation) -> tuple[int, bool]:
         """The adaptive controller's (k, probing) for the head's next block: decided once per
-        round, kept in gen.decided until a round uses it."""
+        round, kept in gen.decided until a round uses it; no block while the replica pauses
+        drafting (TargetClient.drafting_paused)."""
+        if gen.decided is None and self.target.drafting_paused(gen.target):
+            gen.decided = (0, False)  # the controller is not asked: nothing is learnt from the round
         if gen.decided is None:
             k = gen.adaptive.next_k(self.target.draft_token_cost(gen.target), self.target.head_cost(gen.target))
             gen.decided = (k, gen.adaptive.probing)
@@ -341,7 +344,7 @@ class RoundRunner:
         """Draft tokens to ask the draft worker for (coordinator.adaptive). Under load a draft
         token delays every request in the step: its price comes from the target's measured
         step costs; asking the drafter costs its measured round time."""
-        if not gen.use_draft:
+        if not gen.use_draft or self.target.drafting_paused(gen.target):
             return 0
         k = min(gen.adaptive.next_k(self.target.draft_token_cost(gen.target),
                                     self.target.propose_cost(gen.target, self.draft.round_times)),
@@ -364,6 +367,7 @@ class RoundRunner:
                 asked: tuple[int, bool] | None) -> None:
         """The round's outcome, for the request's stats and both drafting records."""
         gen.stats.rounds += 1
+        self.target.observe_round(gen.target, verdict.accepted + 1 + len(verdict.extra_tokens))
         gen.adaptive.update(len(drafts), verdict.accepted, asked)
         self.drafter_record.update(len(drafts), verdict.accepted)
         gen.stats.proposed += len(drafts)

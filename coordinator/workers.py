@@ -854,6 +854,25 @@ class TargetClient(WorkerClient):
         model = self.costs.get(session.replica) if session.replica else None
         return model.draft_token_cost() if model is not None else DRAFT_TOKEN_COST
 
+    def observe_round(self, session: WorkerSession, tokens: int) -> None:
+        """A round of the session committed `tokens`: what every round in a step of its
+        replica stands to lose while a draft row delays the step (StepCostModel)."""
+        model = self.costs.get(session.replica) if session.replica else None
+        if model is not None:
+            model.observe_round(tokens)
+
+    def drafting_paused(self, session: WorkerSession) -> bool:
+        """Whether rounds on the replica serving the session should go without drafts now,
+        so that its cost model sees steps without them (coordinator.adaptive.StepCostModel)."""
+        model = self.costs.get(session.replica) if session.replica else None
+        if model is None:
+            return False
+        pauses = model.pauses
+        paused = model.paused
+        if model.pauses != pauses:
+            metrics.DRAFT_PAUSES.inc()
+        return paused
+
     def propose_cost(self, session: WorkerSession, propose: RoundTimes) -> float:
         """What asking the drafter (its rounds taking `propose`) costs now on the replica
         serving the session, in its steps; the one-request figure before any step."""

@@ -67,6 +67,8 @@ HEDGED_ROUNDS = Counter("specdec_hedged_rounds_total",
 HEDGES_SKIPPED = Counter("specdec_hedges_skipped_total",
                          "Target rounds unanswered past the hedge delay but not hedged, by why: budget, deadline, "
                          "no_replica", ["reason"])
+DRAFT_PAUSES = Counter("specdec_draft_pauses_total",
+                       "Pauses of drafting on a target replica, so that its step cost model sees steps without drafts")
 ROUNDS_RUN_AHEAD = Counter("specdec_rounds_run_ahead_total",
                            "Rounds a target replica ran by itself, ahead of the coordinator (--run-ahead), "
                            "whose verdicts the coordinator committed")

@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
+from coordinator import adaptive
 from coordinator.adaptive import DRAFT_TOKEN_COST, PROPOSE_COST, AdaptiveK, DrafterRecord, RoundTimes, StepCostModel
 from coordinator.scheduler import RoundFailed, StepBatcher
 from draft_worker.drafters.model import ModelDrafter
@@ -461,6 +463,95 @@ def test_the_heads_drafting_time_is_not_fitted_as_the_draft_rows_cost():
     assert double.draft_token_cost() > 2.5 * with_head.draft_token_cost()
 
 
+def load_steps(model: StepCostModel, steps: int, seed: int = 0, honour_pauses: bool = True) -> list[bool]:
+    """Feeds `model` steps of a replica under load: 48–64 rounds, drafting 0.7 rows per round
+    at first and 0.3 at the end (the price moves) while the step's other costs creep up (the
+    contexts grow), so draft rows follow rounds and drift with time; each step costs 40 ms + 4
+    ms per round + 1.6 ms per draft row + the drift, ±3% noise. A step decided while the
+    model pauses drafting (read before each step, as the coordinator does per round) carries
+    no drafts when `honour_pauses`. Returns, per step, whether it was paused."""
+    rng = np.random.default_rng(seed)
+    paused = []
+    for step in range(steps):
+        rounds = int(rng.integers(48, 65))
+        paused.append(model.paused)
+        share = 0.7 - 0.4 * step / steps
+        drafts = 0 if paused[-1] and honour_pauses else int(round(rounds * share * rng.uniform(0.95, 1.05)))
+        seconds = (0.040 + 0.004 * rounds + 0.0016 * drafts + 0.0004 * step) * rng.uniform(0.97, 1.03)
+        model.observe(rounds + drafts, seconds, rounds, drafts, drafts // 2)
+    return paused
+
+
+def test_under_load_a_replica_pauses_drafting_to_price_a_row():
+    """Draft rows that follow the rounds, and drift with the step's other costs, leave a
+    fit over the window unable to price a row; pauses of a few steps without drafts, set
+    against the steps just before them, measure it."""
+    blind_errors = []
+    for seed in range(4):
+        model, blind = StepCostModel(), StepCostModel()
+        paused = load_steps(model, 400, seed)
+        load_steps(blind, 400, seed, honour_pauses=False)
+        assert model.pauses >= 3 and blind.pauses >= 3  # both asked; one was heeded
+        share = sum(paused) / len(paused)
+        assert share <= adaptive.PAUSE_STEPS / adaptive.PAUSE_EVERY + 0.01
+        assert model.paired_weight > 0 and blind.paired_weight == 0
+        assert model.fit()[1] == pytest.approx(0.0016, rel=0.15)
+        # The price of a row, in steps of the usual size: ~56 rounds waiting 1.6 ms each.
+        assert model.draft_token_cost() == pytest.approx(model.rounds * 0.0016 / model.fit()[0], rel=0.15)
+        blind_errors.append(abs(blind.fit()[1] / 0.0016 - 1))
+    assert np.mean(blind_errors) > 0.3  # the window alone confuses the drift with the rows
+
+
+def test_drafting_never_pauses_at_one_request_or_without_drafts():
+    one, none = StepCostModel(), StepCostModel()
+    for step in range(300):
+        drafts = step % 5  # one request, drafting 0–4 tokens
+        one.observe(1 + drafts, 0.025 + 0.0012 * drafts, 1, drafts, 1 if drafts else 0)
+        none.observe(64, 0.300, 64, 0, 0)  # nobody drafts
+        assert not (one.paused or none.paused)
+    assert one.pauses == none.pauses == 0
+
+
+def test_the_price_of_a_row_follows_the_load_down_within_a_few_steps():
+    """When most requests finish, the few left are priced at their own load: the fit keeps
+    its memory, the usual step is the last few."""
+    model = StepCostModel()
+    for step in range(60):
+        drafts = (step * 7) % 20  # 16 requests; ~25 ms + 1.2 ms per row
+        model.observe(16 + drafts, 0.025 + 0.0012 * (16 + drafts), 16, drafts, drafts // 2)
+    crowded = model.draft_token_cost()
+    for step in range(adaptive.USUAL_STEPS):
+        drafts = step % 3  # two requests left
+        model.observe(2 + drafts, 0.025 + 0.0012 * (2 + drafts), 2, drafts, min(drafts, 1))
+    assert model.draft_token_cost() < crowded and model.rounds == 2
+    assert model.draft_token_cost() == pytest.approx(2 * 0.0012 / (0.025 + 0.0012 * (2 + model.drafts)), rel=0.1)
+    assert model.draft_token_cost() < crowded / 3
+
+
+def test_a_row_is_priced_by_the_tokens_the_other_rounds_would_commit_meanwhile():
+    """A draft row delays the B − 1 other rounds of the step, each of which commits τ tokens
+    per step: the price scales with 1 + (B − 1)·τ, not with B."""
+    def priced(tokens_per_round: float | None) -> StepCostModel:
+        model = StepCostModel()
+        for step in range(60):
+            drafts = (step * 7) % 20  # 16 requests; ~25 ms + 1.2 ms per row
+            if tokens_per_round is not None:
+                for _ in range(16):
+                    model.observe_round(int(tokens_per_round))
+            model.observe(16 + drafts, 0.025 + 0.0012 * (16 + drafts), 16, drafts, drafts // 2)
+        return model
+
+    plain, drafting_well = priced(None), priced(2)
+    assert drafting_well.tokens_per_round == pytest.approx(2.0)
+    assert plain.tokens_per_round == 1.0
+    assert drafting_well.draft_token_cost() == pytest.approx(plain.draft_token_cost() * (1 + 15 * 2) / 16, rel=0.01)
+    one = StepCostModel()  # alone, nobody else waits: τ does not matter
+    for step in range(60):
+        one.observe_round(3)
+        one.observe(1 + step % 5, 0.025 + 0.0012 * (1 + step % 5), 1, step % 5)
+    assert one.draft_token_cost() == pytest.approx(DRAFT_TOKEN_COST, abs=0.01)
+
+
 def test_new_requests_start_from_the_drafters_recent_acceptance():
     record = DrafterRecord()
     assert record.start(4).best_k() == 4  # an unknown drafter is trusted at first
@@ -484,7 +575,8 @@ def test_draft_tokens_get_dearer_as_the_batch_grows():
         # Prefill chunks say nothing about draft tokens and are left out.
         heavy.observe(256, 1.0, 2, 0)
     assert light.draft_token_cost() == pytest.approx(DRAFT_TOKEN_COST, abs=0.01)
-    assert heavy.draft_token_cost() > 0.3
+    assert heavy.draft_token_cost() == pytest.approx(16 * 0.0012 / (0.025 + 0.0012 * (16 + heavy.drafts)), rel=0.1)
+    assert heavy.draft_token_cost() > 0.25
     # Steps that all look alike leave the slope at its prior: one request's measured cost.
     flat = StepCostModel()
     for _ in range(30):

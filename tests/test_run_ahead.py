@@ -505,3 +505,47 @@ def test_run_ahead_must_be_a_count(value, capsys):
     with pytest.raises(SystemExit):
         main(["serve", "coordinator", "--target-addr", "127.0.0.1:1", "--tokenizer", "t", "--run-ahead", value])
     assert "is not a count" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["head on the target", "head on the draft worker"])
+def test_a_pause_of_drafting_reaches_every_round_on_the_replica(target, tokenizer, monkeypatch, where):
+    """When a replica's step cost model pauses drafting (coordinator.adaptive.StepCostModel:
+    its draft rows follow its rounds), requests there stop drafting within a round or two —
+    running ahead or not, drafting on the target or on a draft worker — resume after the
+    pause, and the output is still the target's alone."""
+    from coordinator import adaptive
+
+    def always(self, *args):
+        self.asked, self.probing = 4, False
+        return 4
+
+    monkeypatch.setattr(adaptive.AdaptiveK, "next_k", always)
+    monkeypatch.setattr(adaptive, "PAUSE_EVERY", 6)
+    monkeypatch.setattr(adaptive, "PAUSE_MIN_DRAFTS", 1.0)
+    steps = []  # (steps of its pause left when the step came, draft rows in it)
+    observe = adaptive.StepCostModel.observe
+
+    def observed(self, rows, seconds, rounds, drafts=0, *args):
+        steps.append((self.pause_left, drafts))
+        observe(self, rows, seconds, rounds, drafts, *args)
+
+    monkeypatch.setattr(adaptive.StepCostModel, "observe", observed)
+    head = make_head(target)
+    options = ({"target_head": head, "target_options": ALWAYS} if where.endswith("target")
+               else {"draft": head, "draft_options": ALWAYS})
+
+    async def scenario():
+        async with running_stack(target, tokenizer, **options) as stack:
+            before = metrics.DRAFT_PAUSES._value.get()
+            async with Client(stack.address) as client:
+                results = await asyncio.gather(*(client.complete(make_request(p, max_new_tokens=MAX_NEW, k=4))
+                                                 for p in PROMPTS))
+            return results, metrics.DRAFT_PAUSES._value.get() - before
+
+    results, pauses = run(scenario())
+    for prompt, result in zip(PROMPTS, results):
+        assert result.token_ids == reference_greedy(target, chat_ids(tokenizer, prompt), MAX_NEW)
+    assert pauses >= 1
+    late = [drafts for left, drafts in steps if 0 < left <= adaptive.PAUSE_STEPS - 3]
+    assert late and set(late) == {0}, steps  # the pause reached every round after its first steps
+    assert sum(drafts for left, drafts in steps if not left) > 0  # and drafting went on outside it
