@@ -231,7 +231,8 @@ class StepCostModel:
     Under load the window cannot separate a draft row's cost from a round's (PAUSE_STEPS
     above), so the model pauses drafting on its replica now and then (`paused`): for a few
     steps every request there decodes without drafts, and those steps against the ones just
-    before give t_draft by a controlled comparison, which then replaces the window's slope.
+    before and after give t_draft by a controlled comparison, which then replaces the
+    window's slope.
     The pauses are what the measurement costs: PAUSE_STEPS of every PAUSE_EVERY steps while
     drafting under load, none at one request or while nobody drafts."""
 
@@ -250,15 +251,15 @@ class StepCostModel:
         self.head_per_step = 0.0  # decayed mean of the head's drafting time per decode step
         self.tokens_per_round = 1.0  # τ: decayed per step, from the rounds' verdicts
         self._round_tokens = [0, 0]  # tokens and rounds recorded since the last step
-        self.pause_left = 0  # steps the current pause of drafting lasts still
+        self.pause_left = 0  # decode steps the current pause of drafting lasts still
         self.since_pause = 0  # steps observed since the last pause began (or since the first)
         self.pauses = 0
         self._pause_wanted = False  # the last fit found drafting under load
-        # Decode steps (rounds, drafts, seconds without the head's drafting) of the current
-        # pause and the PAUSE_STEPS before it; the decayed mean of the paired figures (s per
-        # draft row) and its weight.
-        self._pair: list[tuple[int, int, int, float]] = []  # (step, rounds, drafts, seconds)
-        self._after_left = 0  # steps after the pause still to be taken into its measurement
+        # Decode steps (step, rounds, drafts, seconds without the head's drafting) of the
+        # current pause and the PAUSE_STEPS before and after it; the decayed mean of the
+        # paired figures (s per draft row) and its weight.
+        self._pair: list[tuple[int, int, int, float]] = []
+        self._after_left = 0  # decode steps after the pause still to be taken into its measurement
         self.paired = 0.0
         self.paired_weight = 0.0
 
@@ -356,7 +357,7 @@ class StepCostModel:
     def paused(self) -> bool:
         """Whether requests on this replica should decode without drafts now. A pause begins
         when a figure is read and the last fit found drafting under load (at most once every
-        PAUSE_EVERY steps), and lasts PAUSE_STEPS steps."""
+        PAUSE_EVERY steps), and lasts PAUSE_STEPS decode steps."""
         if self._stale:
             self._refit()
         if not self.pause_left and self._pause_wanted and self.since_pause >= PAUSE_EVERY:
