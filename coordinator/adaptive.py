@@ -251,6 +251,7 @@ class StepCostModel:
         self.head_per_step = 0.0  # decayed mean of the head's drafting time per decode step
         self.tokens_per_round = 1.0  # τ: decayed per step, from the rounds' verdicts
         self._round_tokens = [0, 0]  # tokens and rounds recorded since the last step
+        self._tokens_seen = False  # τ has been measured (before: the prior 1)
         self.pause_left = 0  # decode steps the current pause of drafting lasts still
         self.since_pause = 0  # steps observed since the last pause began (or since the first)
         self.pauses = 0
@@ -262,6 +263,9 @@ class StepCostModel:
         self._after_left = 0  # decode steps after the pause still to be taken into its measurement
         self.paired = 0.0
         self.paired_weight = 0.0
+        self.paired_rounds = 0.0  # the usual step's rounds when the last pause was measured
+        self._pause_rounds = 0.0  # the usual step's rounds when the current pause began
+        self._decode_steps = 0  # decode steps observed: the pause measurement's time axis
 
     def observe(self, rows: int, seconds: float, rounds: int, drafts: int = 0, drafting: int = 0,
                 head_s: float = 0.0) -> None:
@@ -272,8 +276,13 @@ class StepCostModel:
         self.since_pause += 1
         if rows - drafts > DECODE_ROWS_PER_ROUND * rounds:
             return  # a prefill chunk: neither fitted nor counted in a pause
+        self._decode_steps += 1
+        in_pause = self.pause_left > 0
+        if (self.pause_left or self._after_left) and rounds < self._pause_rounds / 2:
+            self.pause_left = self._after_left = 0  # the load it was to measure is gone
+            self._pair = []
         if self.pause_left or self._after_left:
-            self._pair.append((self.since_pause, rounds, drafts, seconds - min(max(0.0, head_s), seconds)))
+            self._pair.append((self._decode_steps, rounds, drafts, seconds - min(max(0.0, head_s), seconds)))
             if self.pause_left:
                 self.pause_left -= 1
                 self._after_left = 0 if self.pause_left else PAUSE_STEPS
@@ -282,11 +291,12 @@ class StepCostModel:
                 if not self._after_left:
                     self._measure_pause()
         tokens, counted = self._round_tokens
-        if counted:
-            self._round_tokens = [0, 0]
+        self._round_tokens = [0, 0]
+        if counted and not in_pause:  # paused rounds commit one token each: not what drafting ones do
             mean = tokens / counted
-            self.tokens_per_round = mean if not self.steps else \
+            self.tokens_per_round = mean if not self._tokens_seen else \
                 STEP_DECAY * self.tokens_per_round + (1 - STEP_DECAY) * mean
+            self._tokens_seen = True
         share = drafting / rounds
         head_s = min(max(0.0, head_s), seconds)
         if not self.steps:
@@ -351,19 +361,22 @@ class StepCostModel:
         self.paired = (PAIRED_DECAY * self.paired_weight * self.paired + max(0.0, slope)) / \
             (PAIRED_DECAY * self.paired_weight + 1)
         self.paired_weight = PAIRED_DECAY * self.paired_weight + 1
+        self.paired_rounds = self._pause_rounds
         self._stale = True
 
     @property
     def paused(self) -> bool:
         """Whether requests on this replica should decode without drafts now. A pause begins
         when a figure is read and the last fit found drafting under load (at most once every
-        PAUSE_EVERY steps), and lasts PAUSE_STEPS decode steps."""
+        PAUSE_EVERY steps, and not while the last one is still measured), and lasts
+        PAUSE_STEPS decode steps — or ends when the load falls below half of what it was."""
         if self._stale:
             self._refit()
-        if not self.pause_left and self._pause_wanted and self.since_pause >= PAUSE_EVERY:
+        if not (self.pause_left or self._after_left) and self._pause_wanted and self.since_pause >= PAUSE_EVERY:
             self.pause_left, self.since_pause, self._pause_wanted = PAUSE_STEPS, 0, False
+            self._pause_rounds = self.rounds
             before = list(self.steps)[-PAUSE_STEPS:]
-            self._pair = [(self.since_pause - len(before) + i, *step) for i, step in enumerate(before)]
+            self._pair = [(self._decode_steps - len(before) + 1 + i, *step) for i, step in enumerate(before)]
             self.pauses += 1
         return self.pause_left > 0
 
@@ -381,10 +394,11 @@ class StepCostModel:
 
     def _solve(self) -> tuple[float, float, float]:
         """(t₀, t_round, t_draft) over the window. Once pauses have measured t_draft, it is
-        theirs and the window fits t₀ and t_round alone."""
+        theirs and the window fits t₀ and t_round alone — while the load is near the one
+        they measured it at (at least half its rounds; below, the window's own slope)."""
         data = np.array(self.steps, dtype=np.float64)[::-1]  # newest first
         weights = STEP_DECAY ** np.arange(len(data))
-        if self.paired_weight > 0:
+        if self.paired_weight > 0 and self.rounds >= self.paired_rounds / 2:
             x = np.column_stack([np.ones(len(data)), data[:, 0]])
             y = data[:, 2] - self.paired * data[:, 1]
             xtx = (x * weights[:, None]).T @ x

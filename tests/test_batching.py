@@ -535,10 +535,10 @@ def test_a_row_is_priced_by_the_tokens_the_other_rounds_would_commit_meanwhile()
         model = StepCostModel()
         for step in range(60):
             drafts = (step * 7) % 20  # 16 requests; ~25 ms + 1.2 ms per row
-            if tokens_per_round is not None:
+            model.observe(16 + drafts, 0.025 + 0.0012 * (16 + drafts), 16, drafts, drafts // 2)
+            if tokens_per_round is not None:  # the step's verdicts come after it
                 for _ in range(16):
                     model.observe_round(int(tokens_per_round))
-            model.observe(16 + drafts, 0.025 + 0.0012 * (16 + drafts), 16, drafts, drafts // 2)
         return model
 
     plain, drafting_well = priced(None), priced(2)
@@ -550,6 +550,32 @@ def test_a_row_is_priced_by_the_tokens_the_other_rounds_would_commit_meanwhile()
         one.observe_round(3)
         one.observe(1 + step % 5, 0.025 + 0.0012 * (1 + step % 5), 1, step % 5)
     assert one.draft_token_cost() == pytest.approx(DRAFT_TOKEN_COST, abs=0.01)
+
+
+def test_a_pause_measures_only_the_load_it_began_under():
+    """A pause ends when the load falls below half of what it was (its steps would not
+    compare with the ones before); a figure measured under load is not applied once the
+    load is gone; the one-token rounds of a pause do not count in τ."""
+    model = StepCostModel()
+    load_steps(model, adaptive.PAUSE_EVERY + 3 * adaptive.PAUSE_STEPS)  # one pause, measured
+    assert model.paired_weight > 0
+    measured = model.fit()[1]
+    tokens = model.tokens_per_round = 1.8
+    assert not model.paused  # (refits)
+    model.since_pause = adaptive.PAUSE_EVERY
+    assert model.paused
+    for _ in range(2):
+        for _ in range(56):
+            model.observe_round(1)  # paused rounds commit their one token
+        model.observe(56, 0.26, 56, 0, 0)
+    assert model.tokens_per_round == tokens
+    weight = model.paired_weight
+    model.observe(3, 0.03, 3, 0, 0)  # most requests finished
+    assert not model.paused and model.paired_weight == weight  # abandoned, nothing measured
+    for step in range(30):  # one request left, drafting 0–4 tokens, 1.2 ms per row
+        model.observe(1 + step % 5, 0.025 + 0.0012 * (step % 5), 1, step % 5)
+    model.draft_token_cost()  # refits: the usual step has one round now
+    assert model.rounds == 1 and model.fit()[1] != measured
 
 
 def test_new_requests_start_from_the_drafters_recent_acceptance():
