@@ -4,8 +4,8 @@
 #     vocabulary sizes, batch sizes and k, and timed (benchmarks/kernels_gpu.py), and the
 #     paged-attention kernel against its reference on 256 sessions with contexts up to 8K
 #     (benchmarks/paged_attention_gpu.py), and the paged serving step: correct against the old
-#     per-session path, timed on an 8B-shaped model against it and the HBM roofline, its memory
-#     flat (benchmarks/paged_step_gpu.py);
+#     per-session path, timed on an 8B-shaped model against it and the HBM roofline, eagerly and
+#     replayed from CUDA graphs, its memory flat (benchmarks/paged_step_gpu.py);
 #  2. the service tests with their tiny models on the GPU (SPECDEC_TEST_DEVICE=cuda):
 #     greedy output equal to the target alone, seeded sampling equal to the target's own
 #     sampler, the sampled-distribution test, continuous batching, the draft head next to
@@ -70,9 +70,9 @@ import json, sys
 report = json.load(open(sys.argv[1]))
 print(f"all_correct={report['all_correct']} on {report['device']}")
 for r in report["correctness"]:
-    print(f"paged step {r['dtype']:8s} {r['attention']:9s} {r['case']:8s}: pass={r['pass']} "
+    print(f"paged step {r['dtype']:8s} {r['attention']:10s} {r['case']:8s}: pass={r['pass']} "
           f"argmax {r['argmax_agreement']:.4f} max|diff| {r['max_abs_diff']:.2e}")
-for path in ("paged", "old"):
+for path in ("paged", "graphs", "old"):
     for r in report.get("steps", {}).get(path, []):
         print(f"{path:5s} step B={r['B']:3d}: {r['ms']:9.3f} ms {r['tokens_per_s']:10.1f} tokens/s")
 for name, t in report["targets"].items():
@@ -84,7 +84,8 @@ EOF
 SPECDEC_TEST_DEVICE=cuda timeout "${TESTS_TIMEOUT_S:-300}" "$python" -m pytest -q -p no:cacheprovider -m "not slow" \
     ${PYTEST_ARGS:-} tests/test_services.py tests/test_sampling_services.py tests/test_seeded_determinism.py \
     tests/test_batching.py tests/test_inline_head.py tests/test_eagle_services.py tests/test_tree.py \
-    tests/test_dtype.py tests/test_paged_serving.py tests/test_paged_cache.py tests/test_paged_head.py 2>&1 | tee "$out/pytest_cuda.log" | tail -40
+    tests/test_dtype.py tests/test_paged_serving.py tests/test_paged_cache.py tests/test_paged_head.py \
+    tests/test_graphs.py 2>&1 | tee "$out/pytest_cuda.log" | tail -40
 tests=${PIPESTATUS[0]}
 echo "pytest on cuda: exit $tests"
 [ "$kernels" -eq 0 ] && [ "$paged" -eq 0 ] && [ "$step" -eq 0 ] && [ "$tests" -eq 0 ]

@@ -16,21 +16,25 @@ per session, one forward per session); print JSON.
      and its logits equal a cold run.
    float32 must agree in every argmax and within 1e-4 in every logit; bfloat16 reports its
    largest difference and its argmax agreement (two orders of bf16 arithmetic may swap a
-   near-tie: docs/gpu.md, "Precision").
+   near-tie: docs/gpu.md, "Precision"). A third paged LM, "ops+graphs", replays its chain
+   steps from CUDA graphs (specdec.runtime.graphs; on --dry-run the padded steps run
+   eagerly) and must have replayed some.
 2. Step time on a random-weight model of Llama-3.1-8B's shape in bf16, every session at a
    1,024-token context: a verification step of 5 tokens (feed 5, keep 5 logits, crop back to
    the context) at B = 1, 8, 32, 128, the paged path (one forward) against the old path
-   (B forwards). The contexts are prefilled once, outside the timing; CUDA events around
-   feed + crop after a warm-up, median. The weights are built on the meta device and
+   (B forwards), and the same paged LM again with CUDA graphs ("graphs": each step padded to
+   its bucket and replayed; the capture happens in the warm-up). The contexts are prefilled
+   once, outside the timing; CUDA events around feed + crop after a warm-up, median. The weights are built on the meta device and
    initialised in place on the GPU: no download, seconds.
 3. The HBM roofline: bandwidth of a device-to-device copy (bytes read + written over its
    time); a batch-1 step reads every weight once, so it takes at least weight bytes /
    bandwidth (weight bytes: the parameters'; the served step also reads the float32 copy of
    the LM head, specdec.runtime.precision).
 4. Memory: the peak allocated in each of 100 paged steps at B = 8 stays flat (no leak), and
-   so does the pool's count of blocks in use.
+   so does the pool's count of blocks in use; the same with CUDA graphs.
 5. Targets, each printed with pass / fail: identical argmax; step(B=32) <= 2 × step(B=1);
-   >= 15 × the old path's throughput at B = 32; batch-1 step <= 2.5 × the roofline.
+   >= 15 × the old path's throughput at B = 32; batch-1 step <= 2.5 × the roofline, and
+   <= 1.3 × with CUDA graphs.
 
 Exits 1 only when a correctness check fails (a float32 mismatch, a block not reused, a prefix
 fed again, memory that grows) or the timed part raises; a missed speed target is reported, not
@@ -60,6 +64,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specdec.runtime.graphs import GraphedForward
 from specdec.runtime.lm import CausalLM
 from specdec.runtime.paged import DEFAULT_BLOCK_SIZE, KVShape, block_bytes
 from specdec.runtime.paged_attention import paged_attention_reference
@@ -88,6 +93,7 @@ VOCAB_TOKENS = (3, 1000)  # token ids are drawn from this range: the small model
 MAX_B32_OVER_B1 = 2.0
 MIN_THROUGHPUT_RATIO = 15.0
 MAX_ROOFLINE_RATIO = 2.5
+MAX_GRAPHS_ROOFLINE_RATIO = 1.3
 
 
 @dataclass(frozen=True)
@@ -311,19 +317,30 @@ def prefix_case(paged: Served, old: Served) -> tuple[list, list, dict]:
 CASES = {"chain": chain_case, "tree": tree_case, "rollback": rollback_case, "prefix": prefix_case}
 
 
+def with_graphs(plan: Plan, lm: PagedCausalLM) -> PagedCausalLM:
+    """`lm` replaying its chain steps from CUDA graphs (on CPU, --dry-run: running them
+    padded, eagerly)."""
+    lm.graphs = GraphedForward(lm.runner, lm.pool, lm.buffers.limits, capture=plan.cuda)
+    return lm
+
+
 def correctness(plan: Plan) -> list[dict]:
-    backends = {"ops": ops.paged_attention, "reference": paged_attention_reference}
+    backends = {"ops": ops.paged_attention, "reference": paged_attention_reference, "ops+graphs": ops.paged_attention}
     rows = []
     for dtype in (torch.float32, torch.bfloat16):
         model = small_model(plan, dtype)
         served = with_fp32_logits(model)
         per_block = block_bytes(KVShape.of(model.config), DEFAULT_BLOCK_SIZE, dtype)
         for backend, attention in backends.items():
-            paged = Served.of(PagedCausalLM(served, max_cache_bytes=512 * per_block, attention=attention,
-                                            namespace=f"small-{dtype}-{backend}"))
+            lm = PagedCausalLM(served, max_cache_bytes=512 * per_block, attention=attention,
+                               namespace=f"small-{dtype}-{backend}")
+            paged = Served.of(with_graphs(plan, lm) if backend.endswith("graphs") else lm)
             old = Served.of(CausalLM(served))
             for name, case in CASES.items():
+                replays = lm.graphs.replays if lm.graphs is not None else 0
                 got, expected, checks = case(paged, old)
+                if lm.graphs is not None and name != "tree":  # a tree step runs eagerly
+                    checks["replayed"] = lm.graphs.replays > replays
                 row = compare(name, got, expected, dtype, **checks)
                 row.update(dtype=str(dtype).removeprefix("torch."), attention=backend)
                 rows.append(row)
@@ -418,8 +435,10 @@ def release() -> None:
         torch.cuda.empty_cache()
 
 
-def paged_path(plan: Plan, model: torch.nn.Module, batches: tuple[int, ...], notes: list[str]) -> tuple[list, dict]:
-    """Rows of {B, ms, tokens_per_s} of the paged path, and the memory check."""
+def paged_path(plan: Plan, model: torch.nn.Module, batches: tuple[int, ...],
+               notes: list[str]) -> tuple[list, dict, list, dict]:
+    """Rows of {B, ms, tokens_per_s} of the paged path and its memory check, then the same
+    with CUDA graphs."""
     config, vocab = model.config, model.config.vocab_size
     per_block = block_bytes(KVShape.of(config), DEFAULT_BLOCK_SIZE, next(model.parameters()).dtype)
     blocks_per_session = -(-(plan.context + NEW_TOKENS) // DEFAULT_BLOCK_SIZE)
@@ -442,13 +461,20 @@ def paged_path(plan: Plan, model: torch.nn.Module, batches: tuple[int, ...], not
         torch.cuda.synchronize()
     notes.append(f"paged path: {most} contexts of {plan.context} tokens prefilled in "
                  f"{time.perf_counter() - began:.1f} s ({PREFILL_SESSIONS} sessions per step)")
-    rows = []
-    for batch in batches:
-        step = partial(verification_step, lm, sessions[:batch], tokens[:batch], plan.context)
-        ms = time_ms(step, plan.warmup, plan.repeats, plan.cuda)
-        rows.append({"B": batch, "ms": round(ms, 3), "tokens_per_s": round(batch * NEW_TOKENS / ms * 1e3, 1)})
-        say(f"paged step B={batch:3d}: {ms:8.3f} ms, {rows[-1]['tokens_per_s']:10.1f} tokens/s")
-    return rows, memory_check(plan, lm, sessions[:min(8, most)], tokens)
+    timed = {}
+    for path in ("paged", "graphs"):
+        if path == "graphs":
+            with_graphs(plan, lm)
+        rows = []
+        for batch in batches:
+            step = partial(verification_step, lm, sessions[:batch], tokens[:batch], plan.context)
+            ms = time_ms(step, plan.warmup, plan.repeats, plan.cuda)
+            rows.append({"B": batch, "ms": round(ms, 3), "tokens_per_s": round(batch * NEW_TOKENS / ms * 1e3, 1)})
+            say(f"{path:6s} step B={batch:3d}: {ms:8.3f} ms, {rows[-1]['tokens_per_s']:10.1f} tokens/s")
+        timed[path] = rows, memory_check(plan, lm, sessions[:min(8, most)], tokens)
+    notes.append(f"graphs: captured at {lm.graphs.captured} tokens in {lm.graphs.capture_s:.1f} s, "
+                 f"{lm.graphs.replays} steps replayed")
+    return (*timed["paged"], *timed["graphs"])
 
 
 def memory_check(plan: Plan, lm: PagedCausalLM, sessions: list[Session], tokens: list[list[int]]) -> dict:
@@ -545,21 +571,25 @@ def performance(plan: Plan, report: dict) -> None:
                        "weight_bytes": weight_bytes, "lm_head_fp32_bytes": head_fp32,
                        "build_s": round(time.perf_counter() - began, 2)}
     say(f"model built: {weight_bytes / 1e9:.2f} GB of weights in {report['model']['build_s']} s")
-    new_rows, report["memory"] = paged_path(plan, model, batches, notes)
+    new_rows, report["memory"], graph_rows, report["memory_graphs"] = paged_path(plan, model, batches, notes)
     release()  # the pool goes before the old path's caches come
     old_rows = old_path(plan, model, batches, notes)
     release()
     old_ms = {r["B"]: r["ms"] for r in old_rows}
     report["steps"] = {
-        "context": plan.context, "new_tokens": NEW_TOKENS, "paged": new_rows, "old": old_rows,
+        "context": plan.context, "new_tokens": NEW_TOKENS, "paged": new_rows, "graphs": graph_rows,
+        "old": old_rows,
         "throughput_ratio": [{"B": r["B"], "paged_over_old": round(old_ms[r["B"]] / r["ms"], 2)}
                              for r in new_rows if r["B"] in old_ms],
     }
     step_one = next((r["ms"] for r in new_rows if r["B"] == 1), None)
+    graphs_one = next((r["ms"] for r in graph_rows if r["B"] == 1), None)
     roofline_ms = weight_bytes / (report["bandwidth"]["GBps"] * 1e6)
     report["roofline"] = {"weight_bytes": weight_bytes, "GBps": report["bandwidth"]["GBps"],
                           "roofline_ms": round(roofline_ms, 3), "step_B1_ms": step_one,
-                          "step_over_roofline": round(step_one / roofline_ms, 2) if step_one else None}
+                          "step_over_roofline": round(step_one / roofline_ms, 2) if step_one else None,
+                          "graphs_step_B1_ms": graphs_one,
+                          "graphs_step_over_roofline": round(graphs_one / roofline_ms, 2) if graphs_one else None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -580,6 +610,9 @@ def targets(plan: Plan, report: dict) -> dict:
     b_ratio = paged[top]["ms"] / paged[1]["ms"] if top in paged and 1 in paged else None
     t_ratio = old[top]["ms"] / paged[top]["ms"] if top in paged and top in old else None
     roof = report.get("roofline", {}).get("step_over_roofline")
+    graphs_roof = report.get("roofline", {}).get("graphs_step_over_roofline")
+    flat = [report[m].get("flat") for m in ("memory", "memory_graphs") if m in report]
+    memory_flat = all(flat) if flat else None
     return {
         "argmax_identical_fp32": target(all(r["argmax_identical"] for r in fp32), True,
                                         all(r["argmax_identical"] for r in fp32)),
@@ -590,7 +623,9 @@ def targets(plan: Plan, report: dict) -> dict:
                                               None if t_ratio is None else t_ratio >= MIN_THROUGHPUT_RATIO),
         "step_B1_over_roofline": target(roof, f"<= {MAX_ROOFLINE_RATIO}",
                                         None if roof is None else roof <= MAX_ROOFLINE_RATIO),
-        "memory_flat": target(report.get("memory", {}).get("flat"), True, report.get("memory", {}).get("flat")),
+        "step_B1_graphs_over_roofline": target(graphs_roof, f"<= {MAX_GRAPHS_ROOFLINE_RATIO}",
+                                               None if graphs_roof is None else graphs_roof <= MAX_GRAPHS_ROOFLINE_RATIO),
+        "memory_flat": target(memory_flat, True, memory_flat),
     }
 
 
@@ -636,7 +671,7 @@ def main() -> int:
         report["error"] = failed
         say(failed)
     report["targets"] = targets(plan, report)
-    memory_flat = report.get("memory", {}).get("flat", True)
+    memory_flat = all(report[m]["flat"] for m in ("memory", "memory_graphs") if m in report)
     report["all_correct"] = all(r["pass"] for r in report["correctness"]) and memory_flat and failed is None
     report["seconds"] = round(time.perf_counter() - began, 1)
     for name, t in report["targets"].items():

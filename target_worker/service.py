@@ -148,7 +148,7 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None, head=None) 
         info = model_info(config.model, loaded, loaded_tokenizer)
         lm = serving_lm(loaded, config.cpu_fast_path, config.kv_cache, max_cache_bytes=paged_pool_bytes(config),
                         kv_memory_fraction=config.kv_memory_fraction, block_size=config.kv_block_size,
-                        max_batch=config.max_batch_rounds,
+                        max_batch=config.max_batch_rounds, cuda_graphs=config.cuda_graphs,
                         attention=paged_attention, namespace=info.fingerprint)
         return lm, info, inline
 

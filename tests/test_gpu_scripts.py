@@ -27,22 +27,26 @@ def dry_run(script: str) -> dict:
 
 def test_paged_step_dry_run_reports_every_part() -> None:
     """benchmarks/paged_step_gpu.py --dry-run: every correctness case passes for both dtypes and
-    both attentions, every batch is timed on both paths, and the roofline, memory and targets
-    are reported."""
+    every attention (the padded steps of CUDA graphs, run eagerly, replayed in each chain case),
+    every batch is timed on the three paths, and the roofline, memory and targets are
+    reported."""
     report = dry_run("paged_step_gpu.py")
     assert report["all_correct"] and "error" not in report
     rows = report["correctness"]
     assert {(r["dtype"], r["attention"], r["case"]) for r in rows} == {
         (dtype, attention, case) for dtype in ("float32", "bfloat16")
-        for attention in ("ops", "reference") for case in CASES
+        for attention in ("ops", "reference", "ops+graphs") for case in CASES
     }
     assert all(r["pass"] for r in rows)
+    assert all(r["replayed"] for r in rows if r["attention"] == "ops+graphs" and r["case"] != "tree")
     assert all(r["max_abs_diff"] <= report["tolerance_fp32"] for r in rows if r["dtype"] == "float32")
     steps = report["steps"]
-    assert [r["B"] for r in steps["paged"]] == [r["B"] for r in steps["old"]] == [1, 2]
-    assert all(r["ms"] > 0 and r["tokens_per_s"] > 0 for r in steps["paged"] + steps["old"])
-    assert report["roofline"]["step_over_roofline"] > 0
-    assert report["memory"]["flat"] and report["memory"]["steps"] == 100
+    assert [r["B"] for r in steps["paged"]] == [r["B"] for r in steps["graphs"]] == [r["B"] for r in steps["old"]] \
+        == [1, 2]
+    assert all(r["ms"] > 0 and r["tokens_per_s"] > 0 for r in steps["paged"] + steps["graphs"] + steps["old"])
+    assert report["roofline"]["step_over_roofline"] > 0 and report["roofline"]["graphs_step_over_roofline"] > 0
+    for memory in ("memory", "memory_graphs"):
+        assert report[memory]["flat"] and report[memory]["steps"] == 100
     assert report["targets"]["argmax_identical_fp32"]["pass"] is True
     assert set(report["targets"]) >= {"step_B2_over_B1", "throughput_over_old_B2", "step_B1_over_roofline",
-                                      "memory_flat"}
+                                      "step_B1_graphs_over_roofline", "memory_flat"}

@@ -90,6 +90,10 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
                              "(default %(default)s); on CPU the pool is --max-cache-mb [SPECDEC_KV_MEMORY_FRACTION]")
     parser.add_argument("--kv-block-size", type=int, default=int(env("SPECDEC_KV_BLOCK_SIZE", 16)),
                         help="tokens per block of the paged pool (default %(default)s) [SPECDEC_KV_BLOCK_SIZE]")
+    parser.add_argument("--cuda-graphs", action="store_true", default=env("SPECDEC_CUDA_GRAPHS", "") == "1",
+                        help="with the paged pool on CUDA, replay each decoding or verification step from a CUDA "
+                             "graph captured at its padded size (the target worker; a draft model attends through "
+                             "torch and runs eagerly) [SPECDEC_CUDA_GRAPHS=1]")
     parser.add_argument("--min-chain-prob", type=float, default=float(env("SPECDEC_MIN_CHAIN_PROB", 0.15)),
                         help="a feature-level head's chain stops where its own probability of the whole chain "
                              "falls below this; 0: always draft k (default %(default)s) [SPECDEC_MIN_CHAIN_PROB]")
@@ -228,4 +232,5 @@ def worker_config(args, model: str, port: int | None = None) -> WorkerConfig:
                         min_chain_prob=args.min_chain_prob, min_alt_prob=args.min_alt_prob,
                         head=getattr(args, "head", None), session_ttl_s=args.session_ttl,
                         stall_timeout_s=args.stall_timeout, kv_cache=args.kv_cache,
-                        kv_memory_fraction=args.kv_memory_fraction, kv_block_size=args.kv_block_size)
+                        kv_memory_fraction=args.kv_memory_fraction, kv_block_size=args.kv_block_size,
+                        cuda_graphs=args.cuda_graphs)

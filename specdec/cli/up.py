@@ -114,7 +114,7 @@ async def _start_draft(args, cert_dir, ca) -> asyncio.subprocess.Process:
                "--min-chain-prob", str(args.min_chain_prob), "--session-ttl", str(args.session_ttl),
                "--stall-timeout", str(args.stall_timeout), "--device", args.device, "--dtype", args.dtype,
                "--kv-cache", args.kv_cache, "--kv-memory-fraction", str(args.kv_memory_fraction),
-               "--kv-block-size", str(args.kv_block_size),
+               "--kv-block-size", str(args.kv_block_size), *(["--cuda-graphs"] if args.cuda_graphs else []),
                "--grace-period", "2", "--log-format", args.log_format or "text"]
     return await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE,
                                                 preexec_fn=parent_death_signal())

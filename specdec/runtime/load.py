@@ -31,7 +31,7 @@ def kv_cache_kind(kind: str, device: torch.device | str) -> str:
 def serving_lm(model: torch.nn.Module, enabled: bool = True, kv_cache: str = "buffered", *,
                max_cache_bytes: int | None = None, kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION,
                block_size: int = DEFAULT_BLOCK_SIZE, attention: Callable[..., torch.Tensor] | None = None,
-               namespace: str = "", max_batch: int = 64) -> CausalLM:
+               namespace: str = "", max_batch: int = 64, cuda_graphs: bool = False) -> CausalLM:
     """The CausalLM a worker serves `model` with: the fast path when enabled and the model
     can take it (each linear's kernel per row count chosen by timing both here:
     specdec.runtime.cpu.choose_linears), else the model as it is (and always on a GPU: the
@@ -42,8 +42,9 @@ def serving_lm(model: torch.nn.Module, enabled: bool = True, kv_cache: str = "bu
     kv_cache "paged" (or "auto" on CUDA): one paged KV pool for every session and one forward
     per step (specdec.runtime.paged_lm), sized from max_cache_bytes (else kv_memory_fraction
     of the free device memory), attending through `attention` (default: the runtime's
-    choice for the device), up to max_batch sessions a step (the worker's batch limit); a model the paged forward does not cover is served with the
-    buffered caches, and the log says why."""
+    choice for the device), up to max_batch sessions a step (the worker's batch limit), its
+    chain steps replayed from CUDA graphs with cuda_graphs (specdec.runtime.graphs); a model
+    the paged forward does not cover is served with the buffered caches, and the log says why."""
     model = with_fp32_logits(model)
     device = next(model.parameters()).device
     if kv_cache_kind(kv_cache, device) == "paged":
@@ -55,7 +56,7 @@ def serving_lm(model: torch.nn.Module, enabled: bool = True, kv_cache: str = "bu
                 served = fast if fast is not model and agrees(model, fast) else model
             return PagedCausalLM(served, max_cache_bytes=max_cache_bytes, kv_memory_fraction=kv_memory_fraction,
                                  block_size=block_size, attention=attention, namespace=namespace,
-                                 max_batch=max_batch)
+                                 max_batch=max_batch, cuda_graphs=cuda_graphs)
         log.warning("paged KV cache off for %s: %s", type(model).__name__, reason)
     if enabled and device.type == "cpu":
         fast = fast_cpu_model(model, stock_rows=choose_linears(model))

@@ -108,8 +108,32 @@ class PagedLlama:
         with features, per session the final norm's output for each of its tokens followed
         by the residual stream after decoder layers aux_layers (what CausalLM.feed_batch
         gives an EAGLE head)."""
+        logits, states = self.compute(pool, step, features, aux_layers)
+        return split_output(logits, states, step, features)
+
+    def check_aux_layers(self, aux_layers: tuple[int, ...]) -> None:
         if any(not 0 <= i < len(self.layers) for i in aux_layers):
             raise ValueError(f"aux_layers {aux_layers} name layers outside 0..{len(self.layers) - 1}")
+
+    def compute(self, pool: KVPool, step: StepInputs, features: bool = False,
+                aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The step's work as `forward` does it, unsplit: the float32 logits of step.logit_rows
+        [R, V] and, with features, the states of every row [T, H·(1 + len(aux_layers))]; the
+        caller holds inference mode."""
+        hidden, states = self.body(pool, step, features, aux_layers)
+        return self.logits(hidden, step.logit_rows), states
+
+    def logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The float32 logits [R, V] of the final-norm states hidden[rows]."""
+        return self.head(hidden[rows]).float()
+
+    def body(self, pool: KVPool, step: StepInputs, features: bool = False,
+             aux_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Everything in the step but the LM head: writes the K/V and returns the final norm's
+        output for every row [T, H] and, with features, the states [T, H·(1 + len(aux_layers))].
+        Sizes come from the tensors' shapes alone, never from a tensor's value, so this is what
+        a CUDA graph captures (specdec.runtime.graphs); the caller holds inference mode."""
+        self.check_aux_layers(aux_layers)
         shape = self.kv_shape
         assert pool.shape == shape, f"pool {pool.shape} for a model of {shape}"
         assert step.input_ids.dim() == 1 and step.input_ids.device == pool.device, (step.input_ids.shape, pool.device)
@@ -136,9 +160,15 @@ class PagedLlama:
             if index in aux_layers:
                 kept_layers[index] = hidden
         hidden = self.norm(hidden)  # [T, H]
-        logits = self.head(hidden[step.logit_rows]).float()  # [R, V]
-        per_session = list(torch.split(logits, step.logits_to_keep))
         if not features:
-            return PagedOutput(per_session, None)
-        states = torch.cat([hidden] + [kept_layers[i] for i in aux_layers], -1) if aux_layers else hidden
-        return PagedOutput(per_session, list(torch.split(states, step.lengths)))
+            return hidden, None
+        return hidden, torch.cat([hidden] + [kept_layers[i] for i in aux_layers], -1) if aux_layers else hidden
+
+
+def split_output(logits: torch.Tensor, states: torch.Tensor | None, step: StepInputs, features: bool) -> PagedOutput:
+    """`compute`'s tensors per session: the first Σ logits_to_keep rows of logits and Σ lengths
+    rows of states (a padded step's rows past them are padding)."""
+    per_session = list(torch.split(logits[:sum(step.logits_to_keep)], step.logits_to_keep))
+    if not features:
+        return PagedOutput(per_session, None)
+    return PagedOutput(per_session, list(torch.split(states[:sum(step.lengths)], step.lengths)))

@@ -36,7 +36,12 @@ from specdec.runtime.paged import (
     block_bytes,
     pool_blocks,
 )
-from specdec.runtime.paged_attention import choose_attention_backend
+from specdec.runtime.graphs import GraphedForward, graph_safe
+from specdec.runtime.paged_attention import (
+    choose_attention_backend,
+    paged_attention_reference,
+    paged_attention_sdpa,
+)
 from specdec.runtime.paged_llama import PagedLlama
 from specdec.runtime.paged_step import StepBuffers, StepLimits, StepRequest
 from specdec.sessions import Session, SyncedContext
@@ -61,10 +66,13 @@ class PagedCausalLM(CausalLM):
     def __init__(self, model: torch.nn.Module, *, max_cache_bytes: int | None = None,
                  kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION, block_size: int = DEFAULT_BLOCK_SIZE,
                  attention: Callable[..., torch.Tensor] | None = None, namespace: str = "",
-                 max_batch: int = 64):
+                 max_batch: int = 64, cuda_graphs: bool = False):
         """The pool is allocated here, once: from max_cache_bytes when given (CPU), else from
         kv_memory_fraction of the device's free memory after the weights (CUDA).
-        namespace names the weights for prefix caching (the model's fingerprint)."""
+        namespace names the weights for prefix caching (the model's fingerprint).
+        cuda_graphs: chain steps replay CUDA graphs (specdec.runtime.graphs) — on CUDA, with
+        an attention that reads no device value on the host (the Triton kernel); otherwise
+        the log says why not and every step runs eagerly."""
         super().__init__(model)
         self.runner = PagedLlama(model, attention or choose_attention_backend(self.device))
         shape = KVShape.of(model.config)
@@ -85,6 +93,18 @@ class PagedCausalLM(CausalLM):
         self._tree_from: dict[int, int] = {}  # id(PagedSession) -> where its unnamed tree tail starts
         # A step with a tree carries a [max_query, max_query] mask per session (StepLimits).
         self.max_tree_step_tokens = self.buffers.limits.max_query
+        self.graphs: GraphedForward | None = None
+        """Set: chain steps of up to its largest bucket run padded through it."""
+        if cuda_graphs:
+            reason = graph_safe(self.runner)
+            if self.device.type != "cuda":
+                reason = f"the model is on {self.device}"
+            elif self.runner.attention in (paged_attention_reference, paged_attention_sdpa):
+                reason = "the attention is the torch reference, which reads the step's sizes on the host"
+            if reason is None:
+                self.graphs = GraphedForward(self.runner, self.pool, self.buffers.limits)
+            else:
+                log.warning("CUDA graphs off: %s", reason)
         log.info("paged KV cache: %d blocks of %d tokens, %.1f MiB", blocks, block_size, self.pool.nbytes / 2**20)
 
     def bind(self, store) -> None:
@@ -156,9 +176,15 @@ class PagedCausalLM(CausalLM):
         self._reserve([s.cache for s in sessions], [len(t) for t in token_lists])
         requests = [StepRequest(s.cache, list(t), p, k)
                     for s, t, p, k in zip(sessions, token_lists, trees, logits_to_keep)]
+        pad_to = None
+        if self.graphs is not None:
+            pad_to = self.graphs.bucket(sum(len(t) for t in token_lists), any(p is not None for p in trees))
         try:
-            step = self.buffers.plan(self.cache, requests)
-            out = self.runner.forward(self.pool, step, features=features, aux_layers=tuple(aux_layers))
+            step = self.buffers.plan(self.cache, requests, pad_to=pad_to)
+            if pad_to is not None:
+                out = self.graphs.run(step, features=features, aux_layers=tuple(aux_layers))
+            else:
+                out = self.runner.forward(self.pool, step, features=features, aux_layers=tuple(aux_layers))
         except BaseException:
             for session in sessions:
                 self.forget(session)

@@ -13,10 +13,14 @@ specdec.runtime.paged_attention states what the attention reads.
 Built for CUDA graphs: every field is a view into ONE preallocated byte arena sized by
 StepLimits, filled on the host and copied to the device in one transfer per step (the same
 arena on CPU: no copy); the fields keep their addresses from step to step. Past a step's T
-tokens and B sessions the buffers hold padding a captured graph can run on: padded tokens
-write into PAD_BLOCK, padded sessions have no tokens and a zero context. StepInputs gives
-the forward views cut to the step's exact T and B; the forward takes every size from the
-host, never from a tensor's value.
+tokens and B sessions the buffers hold padding a captured graph can run on: padded sessions
+have no tokens and a zero context, and padded tokens write into PAD_BLOCK. A plan may pad the
+step to a fixed token count (`pad_to`, specdec.runtime.graphs): its StepInputs then span every
+session slot and the padded tokens belong to one more session, the arena's last slot
+(PAD_SESSION: no block but PAD_BLOCK in its table, zero context), so every per-session loop or
+grid covers exactly the padded tokens. Otherwise StepInputs gives the forward views cut to the
+step's exact T and B. Either way the forward takes every size from the host, never from a
+tensor's value.
 """
 
 from __future__ import annotations
@@ -81,15 +85,17 @@ class StepInputs:
 def _layout(limits: StepLimits) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
     """The arena's fields in order: name → (dtype, shape). Small fields first, the tree mask
     last: a chain-only step copies the arena up to the end of its block tables, a tree step
-    up to the end of its masks."""
+    up to the end of its masks. Per-session fields have a slot more than max_batch: the
+    padding session of a padded step (its block-table row is never written: PAD_BLOCK)."""
+    slots = limits.max_batch + 1
     return {
         "input_ids": (_INT64, (limits.max_tokens,)),
         "positions": (_INT64, (limits.max_tokens,)),
         "slot_mapping": (_INT64, (limits.max_tokens,)),
         "logit_rows": (_INT64, (limits.max_tokens,)),
-        "context_lens": (_INT32, (limits.max_batch,)),
-        "query_starts": (_INT32, (limits.max_batch + 1,)),
-        "block_tables": (_INT32, (limits.max_batch, limits.max_blocks)),
+        "context_lens": (_INT32, (slots,)),
+        "query_starts": (_INT32, (slots + 1,)),
+        "block_tables": (_INT32, (slots, limits.max_blocks)),
         "tree_mask": (_BOOL, (limits.max_batch, limits.max_query, limits.max_query)),
     }
 
@@ -123,21 +129,27 @@ class StepBuffers:
             self.static[name] = self._device[start:start + count].view(_TORCH[dtype]).view(shape)
         self.host["query_starts"][:] = 0
         self.host["block_tables"][:] = PAD_BLOCK
+        self._to_device(size)  # the padding session's block-table row, PAD_BLOCK for good
 
     def _end_of(self, name: str, rows: int) -> int:
         """The arena byte just past the first `rows` rows of field `name`."""
         array = self.host[name]
         return self._offsets[name] + rows * array[0].nbytes
 
-    def plan(self, cache: PagedKVCache, requests: list[StepRequest]) -> StepInputs:
+    def plan(self, cache: PagedKVCache, requests: list[StepRequest], pad_to: int | None = None) -> StepInputs:
         """Packs the step (each session must have reserved its tokens: PagedKVCache.reserve)
-        and copies it to the device."""
+        and copies it to the device. pad_to: a chain-only step padded to that many tokens, its
+        StepInputs over every session slot, the padding session's included (module doc); its
+        logit_rows, lengths and logits_to_keep are the real sessions' (no logits of padding)."""
         limits, size = self.limits, cache.block_size
         lengths = [len(r.tokens) for r in requests]
         total, batch = sum(lengths), len(requests)
         trees = any(r.parents is not None for r in requests)
         if not 1 <= batch <= limits.max_batch or total > limits.max_tokens:
             raise ValueError(f"a step of {batch} sessions and {total} tokens exceeds the limits {limits}")
+        if pad_to is not None and (trees or not total <= pad_to <= limits.max_tokens):
+            raise ValueError(f"a step of {total} tokens{' with a tree' if trees else ''} cannot be padded to "
+                             f"{pad_to} (at most {limits.max_tokens}, chains only)")
         if len({id(r.session) for r in requests}) != batch:
             raise ValueError("a session appears twice in a step")
         for r, n in zip(requests, lengths):
@@ -180,13 +192,23 @@ class StepBuffers:
                 mask[:n, :n] = np.tril(np.ones((n, n), dtype=np.bool_)) if r.parents is None else _ancestry(r.parents)
             offset, row = offset + n, row + keep
         # Padding a graph captured at the full size runs on; nothing reads it eagerly.
-        for name in ("input_ids", "positions", "logit_rows"):
+        for name in ("input_ids", "positions"):
             h[name][offset:] = 0
+        h["logit_rows"][row:] = 0
         h["slot_mapping"][offset:] = PAD_BLOCK * size
         h["context_lens"][batch:] = 0
         h["query_starts"][batch + 1:] = offset
-        self._to_device(self._end_of("tree_mask", batch) if trees else self._end_of("block_tables", batch))
         d = self.static
+        if pad_to is not None:
+            h["query_starts"][-1] = pad_to  # the padding session holds the padded tokens
+            self._to_device(self._end_of("block_tables", batch))
+            return StepInputs(
+                input_ids=d["input_ids"][:pad_to], positions=d["positions"][:pad_to],
+                slot_mapping=d["slot_mapping"][:pad_to], logit_rows=d["logit_rows"][:row],
+                block_tables=d["block_tables"], context_lens=d["context_lens"], query_starts=d["query_starts"],
+                tree_mask=None, lengths=lengths, logits_to_keep=[r.logits_to_keep for r in requests],
+            )
+        self._to_device(self._end_of("tree_mask", batch) if trees else self._end_of("block_tables", batch))
         return StepInputs(
             input_ids=d["input_ids"][:total], positions=d["positions"][:total],
             slot_mapping=d["slot_mapping"][:total], logit_rows=d["logit_rows"][:row],
