@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from coordinator.adaptive import AdaptiveK, DrafterRecord
-from coordinator.detokenizer import IncrementalDetokenizer, StopMatcher
+from coordinator.detokenizer import IncrementalDetokenizer, StopMatcher, text_decoder
 from coordinator.workers import DraftClient, FeatureLog, TargetClient, WorkerSession
 from specdec import metrics
 from specdec.errors import InvalidArgument, ResourceExhausted, Unavailable
@@ -137,6 +137,7 @@ class RoundRunner:
         self.target_vocab_size = target_vocab_size
         self.draft = draft
         self.tokenizer = tokenizer
+        self._decode = text_decoder(tokenizer)
         self._background: set[asyncio.Task] = set()
         self.drafter_record = DrafterRecord()
 
@@ -277,7 +278,7 @@ class RoundRunner:
             adaptive=self.drafter_record.start(plan.k),
             features=FeatureLog(self.draft.feature_size) if use_draft and self.draft.feature_size else None,
             committed=list(plan.prompt_ids),
-            detok=IncrementalDetokenizer(self.tokenizer, plan.prompt_ids),
+            detok=IncrementalDetokenizer(self.tokenizer, plan.prompt_ids, self._decode),
             stopper=StopMatcher(plan.stop),
         )
         if plan.resumed:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from coordinator.detokenizer import IncrementalDetokenizer, StopMatcher
+from coordinator.detokenizer import IncrementalDetokenizer, StopMatcher, text_decoder
 from specdec.ngram import lookup
 from specdec.errors import InvalidArgument
 from specdec.sessions import Resync, SessionStore, SyncedContext
@@ -104,6 +106,39 @@ class TestIncrementalDetokenizer:
         detok = IncrementalDetokenizer(tokenizer, [])
         deltas = [detok.push(t) for t in ids]
         assert deltas[:-1] == [""] * (len(ids) - 1) and deltas[-1] == "🙂"
+
+
+class TestTextDecoder:
+    @staticmethod
+    def samples(tokenizer, count=400, seed=0):
+        """Random id runs over the whole vocabulary (special tokens and bytes that end
+        mid-character included), and the ids of text with multi-byte characters."""
+        rng = random.Random(seed)
+        runs = [[rng.randrange(len(tokenizer)) for _ in range(rng.randint(1, 12))] for _ in range(count)]
+        text_ids = tokenizer("naïve 日本語 🙂 ok <|im_end|> x", add_special_tokens=False)["input_ids"]
+        return runs + [text_ids[:n] for n in range(len(text_ids) + 1)]
+
+    @pytest.mark.parametrize("which", ["tiny", "smollm2-135m"])
+    def test_it_decodes_as_the_tokenizer_does_without_its_wrapper(self, tokenizer, which):
+        from specdec.models import load_tokenizer
+
+        tok = tokenizer if which == "tiny" else load_tokenizer(which)
+        decode = text_decoder(tok)
+        assert decode.func == tok.backend_tokenizer.decode  # the shortcut is taken
+        for ids in self.samples(tok):
+            assert decode(ids) == tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False), ids
+
+    def test_a_tokenizer_that_decodes_its_own_way_is_called_as_it_is(self, tokenizer):
+        from transformers import PreTrainedTokenizerFast
+
+        class Shouting(PreTrainedTokenizerFast):
+            def _decode(self, token_ids, **kwargs):
+                return super()._decode(token_ids, **kwargs).upper()
+
+        shouting = Shouting(tokenizer_object=tokenizer.backend_tokenizer)
+        ids = tokenizer("hello there", add_special_tokens=False)["input_ids"]
+        detok = IncrementalDetokenizer(shouting, [])
+        assert "".join([detok.push(t) for t in ids] + [detok.flush()]) == "HELLO THERE"
 
 
 class TestStopMatcher:
