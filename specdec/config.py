@@ -99,9 +99,9 @@ class WorkerConfig:
     kv_block_size: int = 16
     """Tokens per block of the paged pool."""
     cuda_graphs: bool = False
-    """Chain steps of the paged pool replay CUDA graphs captured at padded token counts
-    (specdec.runtime.graphs): on CUDA, where the attention is the Triton kernel (the target
-    worker's); elsewhere the log says why not and steps run eagerly."""
+    """Chain steps of the paged pool, and an inline head's steps, replay CUDA graphs captured at
+    padded token counts (specdec.runtime.graphs): on CUDA, where the attention is the Triton
+    kernel (the target worker's); elsewhere the log says why not and steps run eagerly."""
 
 
 @dataclass

@@ -165,8 +165,10 @@ class Verifier:
             if pool is not None:
                 blocks = head_pool_blocks(pool.num_blocks * pool.block_size, store.max_sessions,
                                           self.max_draft_tokens, pool.block_size)
+                # The head's steps replay CUDA graphs where the target's do.
+                graphs = lm.graphs.capture if lm.graphs is not None else None
                 head.serve(PagedHead(head.drafter.head, blocks, pool.block_size, lm.runner.attention,
-                                     lm.buffers.limits.max_batch))
+                                     lm.buffers.limits.max_batch, graphs=graphs))
             else:
                 head.serve(BufferedHead(head.drafter.head))
         dropped = store.on_drop

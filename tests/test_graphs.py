@@ -1,6 +1,7 @@
 """Steps padded for CUDA graphs (specdec.runtime.graphs): a step padded to its bucket gives the
 unpadded step's logits, features and cache, through rollback and refeed; trees and steps past
-the largest bucket run eagerly; the flag reaches the workers. On CPU the padded step runs
+the largest bucket run eagerly; a head's steps beside a padded target are padded too and draft
+the same; the flag reaches the workers. On CPU the padded step runs
 eagerly (capture=False); the capture itself is checked where SPECDEC_TEST_DEVICE=cuda (the GPU
 check runs this file there)."""
 
@@ -13,14 +14,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdec.eagle.paged import PagedHead
 from specdec.runtime.graphs import TOKEN_BUCKETS, GraphedForward
+from specdec.runtime.load import serving_lm
 from specdec.runtime.paged import PAD_BLOCK
 from specdec.runtime.paged_attention import paged_attention_reference
 from specdec.runtime.paged_lm import PagedCausalLM
 from specdec.runtime.paged_step import StepLimits, StepRequest
 from specdec.sessions import SessionStore
+from target_worker.head import load_inline_head
 from target_worker.kernels.ops import paged_attention
+from target_worker.verify import Round, Verdict, Verifier
 from tests.factories import TEST_DEVICE, make_tiny_model, make_tiny_tokenizer
+from tests.test_eagle_services import make_head
 
 torch.set_num_threads(2)
 
@@ -277,3 +283,72 @@ def test_up_passes_cuda_graphs_to_the_draft_worker_it_spawns(monkeypatch):
         with pytest.raises(RuntimeError, match="stop here"):
             asyncio.run(up._start_draft(args, Path("/certs"), Path("/certs/ca.pem")))
         assert ("--cuda-graphs" in seen[-1]) == present
+
+
+# --- the head's steps beside a graphed target ---------------------------------------------
+
+def head_kv(storage: PagedHead, session) -> list[torch.Tensor]:
+    size = storage.pool.block_size
+    slots = torch.tensor([session.block_table[p // size] * size + p % size for p in range(session.length)])
+    return [pool.reshape(-1, *pool.shape[2:])[slots.to(pool.device)].float().cpu() for pool in storage.pool.layer(0)]
+
+
+def test_a_padded_head_step_equals_an_unpadded_one(model):
+    head = make_head(model)
+    eager = PagedHead(head, 256, block_size=4, max_batch=4)
+    padded = PagedHead(head, 256, block_size=4, max_batch=4, graphs=False)
+    generator = torch.Generator().manual_seed(5)
+    contexts = [token_ids(400 + i, n) for i, n in enumerate((1, 6, 17))]
+    width = head.config.feature_size
+    steps = [(contexts, width), ([token_ids(500 + i, 1 + i) for i in range(3)], head.config.hidden_size),
+             ([token_ids(600 + i, 3) for i in range(3)], head.config.hidden_size)]
+    sessions = {id(s): [s.new_cache() for _ in contexts] for s in (eager, padded)}
+    for tokens, width in steps:
+        rows = torch.randn(sum(len(t) for t in tokens), width, generator=generator).to(torch.float16)
+        got, expected = (s.step(sessions[id(s)], rows.to(head.fc.weight.device), tokens) for s in (padded, eager))
+        assert got.shape == expected.shape == (rows.shape[0], head.config.hidden_size)
+        assert (got.float() - expected.float()).abs().max().item() <= LOGIT_TOLERANCE
+    # 24, 6 and 9 tokens, padded to 24, 8 and 16; the second width has its own static rows.
+    assert padded.graphs.replays == 3 and sorted(padded._features) == sorted({head.config.feature_size,
+                                                                              head.config.hidden_size})
+    for g, e in zip(sessions[id(padded)], sessions[id(eager)]):
+        assert g.block_table == e.block_table and g.length == e.length
+        for a, b in zip(head_kv(padded, g), head_kv(eager, e)):
+            assert (a - b).abs().max().item() <= LOGIT_TOLERANCE
+
+
+@pytest.mark.parametrize("mode", ["padded", pytest.param("captured", marks=pytest.mark.skipif(
+    not ON_CUDA, reason="CUDA graphs need a GPU (SPECDEC_TEST_DEVICE=cuda)"))])
+def test_the_head_beside_a_padded_target_pads_its_steps_and_drafts_the_same(model, mode):
+    """A Verifier with an inline head, its target steps padded (or replayed from CUDA graphs):
+    the head's steps are padded (replayed) too, and every verdict — accepted, next token, the
+    next round's drafts — is the eager one."""
+
+    def verifier(padded: bool) -> Verifier:
+        lm = serving_lm(model, False, "paged", max_cache_bytes=1 << 24, attention=paged_attention,
+                        cuda_graphs=padded and mode == "captured")
+        if padded and mode == "padded":
+            lm.graphs = GraphedForward(lm.runner, lm.pool, lm.buffers.limits, capture=False)
+        inline = load_inline_head(None, model, make_head(model), fast=False, min_chain_prob=0.0, min_alt_prob=1.0)
+        return Verifier(lm, SessionStore(8, 1 << 30, lm.bytes_per_token), 8, inline)
+
+    runs = {}
+    for padded in (False, True):
+        v = verifier(padded)
+        committed = {f"s{i}": token_ids(700 + i, 5 + 7 * i) for i in range(3)}
+        cached, drafts, verdicts = dict.fromkeys(committed, 0), dict.fromkeys(committed, []), []
+        for _ in range(5):
+            rounds = [Round(name, cached[name], ids[cached[name]:], drafts[name], draft_next=4)
+                      for name, ids in committed.items()]
+            for name, verdict in zip(committed, v.verify_batch(rounds).results):
+                assert isinstance(verdict, Verdict), verdict
+                verdicts.append((verdict.accepted, verdict.next_token, verdict.cached_len, verdict.next_drafts,
+                                 verdict.extra))
+                committed[name] += drafts[name][:verdict.accepted] + [verdict.next_token] + list(verdict.extra)
+                cached[name], drafts[name] = verdict.cached_len, list(verdict.next_drafts)
+        runs[padded] = verdicts
+        if padded:
+            assert v.lm.graphs.replays > 0 and v.head.batched.storage.graphs.replays > 0
+            assert v.head.batched.storage.graphs.capture == (mode == "captured")
+    assert runs[True] == runs[False]
+    assert any(len(v[3]) for v in runs[True])  # the head drafted

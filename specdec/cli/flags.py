@@ -92,8 +92,8 @@ def add_worker_flags(parser: argparse.ArgumentParser) -> None:
                         help="tokens per block of the paged pool (default %(default)s) [SPECDEC_KV_BLOCK_SIZE]")
     parser.add_argument("--cuda-graphs", action="store_true", default=env("SPECDEC_CUDA_GRAPHS", "") == "1",
                         help="with the paged pool on CUDA, replay each decoding or verification step from a CUDA "
-                             "graph captured at its padded size (the target worker; a draft model attends through "
-                             "torch and runs eagerly) [SPECDEC_CUDA_GRAPHS=1]")
+                             "graph captured at its padded size (the target worker and its --head's drafting steps; a "
+                             "draft model attends through torch and runs eagerly) [SPECDEC_CUDA_GRAPHS=1]")
     parser.add_argument("--min-chain-prob", type=float, default=float(env("SPECDEC_MIN_CHAIN_PROB", 0.15)),
                         help="a feature-level head's chain stops where its own probability of the whole chain "
                              "falls below this; 0: always draft k (default %(default)s) [SPECDEC_MIN_CHAIN_PROB]")

@@ -12,7 +12,9 @@ Shapes of one step: T packed tokens of B sessions (specdec.runtime.paged_step), 
 one decoder layer run once over the [1, T, H] row, its keys and values written at the
 step's slots and read through the paged attention contract (specdec.runtime.paged_attention;
 on CUDA the worker hands it the Triton kernel). Nothing in a step branches on a tensor's
-value, so a depth step is graph-capturable at fixed batch sizes like the target's.
+value, so a depth step is graph-capturable: beside a target whose steps replay CUDA graphs,
+the head's steps do too (specdec.runtime.graphs.StepGraphs), padded like the target's, their
+features copied into static rows first.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch
 from specdec.eagle.head import EagleHead
 from specdec.runtime.paged import DEFAULT_BLOCK_SIZE, KVPool, KVShape, PagedKVCache, PagedSession
 from specdec.runtime.paged_attention import choose_attention_backend
-from specdec.runtime.paged_step import StepBuffers, StepLimits, StepRequest
+from specdec.runtime.graphs import StepGraphs
+from specdec.runtime.paged_step import StepBuffers, StepInputs, StepLimits, StepRequest
 
 # New tokens one head step may carry beyond a whole context: the other sessions' rounds.
 STEP_TOKENS_BEYOND_CONTEXT = 64 * 256
@@ -46,7 +49,11 @@ class PagedHead:
     specdec.eagle.batched.HeadStorage names)."""
 
     def __init__(self, head: EagleHead, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE,
-                 attention: Callable[..., torch.Tensor] | None = None, max_batch: int = 64):
+                 attention: Callable[..., torch.Tensor] | None = None, max_batch: int = 64,
+                 graphs: bool | None = None):
+        """graphs: steps replayed from CUDA graphs at padded token counts (StepGraphs; the
+        attention must read no device value on the host: the Triton kernel); False: the
+        padded steps run eagerly (how the CPU tests check the padding); None: no padding."""
         config = head.config
         self.head = head
         self.device = head.embed.device
@@ -60,6 +67,10 @@ class PagedHead:
                                               max_blocks=-(-context // block_size) + 1), self.device)
         self.attention = attention or choose_attention_backend(self.device)
         self.scale = 1.0 / math.sqrt(config.head_dim)  # what the one-session head's SDPA uses
+        self.graphs = None if graphs is None else StepGraphs(self.device, self.buffers.limits, block_size,
+                                                              capture=graphs)
+        # Per feature width, the static rows a padded step reads its features from.
+        self._features: dict[int, torch.Tensor] = {}
 
     @property
     def max_batch(self) -> int:
@@ -101,12 +112,35 @@ class PagedHead:
         position before it (features [T, H or feature_size], packed in the sessions' order);
         returns the predicted features [T, H] of every fed position. The positions must fit
         the session's reservation or a new one (PoolExhausted otherwise, nothing fed)."""
-        head = self.head
         for session, fed in zip(sessions, tokens):
             self.cache.reserve(session, len(fed))
-        step = self.buffers.plan(self.cache, [StepRequest(s, list(t)) for s, t in zip(sessions, tokens)])
+        total = sum(len(t) for t in tokens)
+        pad_to = self.graphs.bucket(total, trees=False) if self.graphs is not None else None
+        step = self.buffers.plan(self.cache, [StepRequest(s, list(t)) for s, t in zip(sessions, tokens)],
+                                 pad_to=pad_to)
+        features = features.to(device=self.device, dtype=self.dtype)
+        if pad_to is None:
+            out = self._body(step, features)[0]
+        else:
+            width = features.shape[-1]
+            if width not in self._features:
+                self._features[width] = torch.zeros(self.graphs.buckets[-1], width, dtype=self.dtype,
+                                                    device=self.device)
+            rows = self._features[width][:pad_to]  # past `total`: stale rows, padding's own
+            rows[:total].copy_(features)
+            # A replay's output is the next one's too: what the step returns is a copy.
+            out = self.graphs.replay((pad_to, width), lambda: self._body(step, rows))[0][:total].clone()
+        for session, fed in zip(sessions, tokens):
+            self.cache.commit(session, list(fed))
+        assert out.shape[0] == total
+        return out
+
+    def _body(self, step: StepInputs, features: torch.Tensor) -> tuple[torch.Tensor]:
+        """The head's layer over the step's packed tokens: (predicted features [T, H],). Sizes
+        come from shapes alone, so a CUDA graph can capture it."""
+        head = self.head
         total = step.input_ids.shape[0]
-        x = head.inputs(features[None].to(device=self.device, dtype=self.dtype), step.input_ids[None])  # [1, T, H]
+        x = head.inputs(features[None], step.input_ids[None])  # [1, T, H]
         q, k, v = head.qkv(x, step.positions)  # q [1, Hq, T, d]; k, v [1, Hkv, T, d]
         q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # [T, heads, d]
         k_pool, v_pool = self.pool.layer(0)  # [num_blocks, block_size, Hkv, d]
@@ -116,9 +150,6 @@ class PagedHead:
         attended = self.attention(q.to(self.dtype).contiguous(), k_pool, v_pool, step.block_tables,
                                   step.context_lens, step.query_starts, None, scale=self.scale)  # [T, Hq, d]
         out = head.finish(x, attended.transpose(0, 1)[None])  # [1, T, H]
-        for session, fed in zip(sessions, tokens):
-            self.cache.commit(session, list(fed))
-        assert out.shape[1] == total
-        return out[0]
+        return (out[0],)
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -61,23 +62,24 @@ def graph_safe(runner: PagedLlama) -> str | None:
     return None
 
 
-class GraphedForward:
-    """PagedLlama.forward over one pool and one StepBuffers, replayed from CUDA graphs at the
-    padded token counts of `buckets` (capture=None: capture on CUDA only; False: run the
-    padded step eagerly)."""
+class StepGraphs:
+    """Steps planned in one StepBuffers (specdec.runtime.paged_step), padded to the token counts
+    of `buckets` and replayed from CUDA graphs, one per key (capture=None: capture on CUDA only;
+    False: run the padded step eagerly). What a step computes is the caller's: `replay` takes
+    it as a function of the static inputs."""
 
-    def __init__(self, runner: PagedLlama, pool: KVPool, limits: StepLimits,
+    def __init__(self, device: torch.device, limits: StepLimits, block_size: int,
                  buckets: tuple[int, ...] = TOKEN_BUCKETS, capture: bool | None = None):
-        """limits: the StepBuffers' the steps are planned in."""
-        self.runner, self.pool = runner, pool
+        """limits: the StepBuffers' the steps are planned in; block_size: their pool's."""
+        self.device = torch.device(device)
         self.buckets = tuple(b for b in sorted(buckets) if b <= limits.max_tokens)
         # The padding session's tokens sit at positions 0.. of its block table.
-        self.max_padding = limits.max_blocks * pool.block_size
-        self.capture = pool.device.type == "cuda" if capture is None else capture
-        if self.capture and pool.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, not {pool.device}")
-        # (tokens, features, aux_layers) -> the graph and its outputs: final-norm states, features
-        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor | None]] = {}
+        self.max_padding = limits.max_blocks * block_size
+        self.capture = self.device.type == "cuda" if capture is None else capture
+        if self.capture and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+        # key (its first item the padded token count) -> the graph and its output tensors
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self._memory = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
         """Steps run through a graph (or, capture off, through the padded eager path)."""
@@ -100,44 +102,61 @@ class GraphedForward:
                 return size if size - tokens <= self.max_padding else None
         return None
 
+    def replay(self, key: tuple, compute: Callable[[], tuple]) -> tuple:
+        """compute()'s outputs for the step now in the static inputs: key[0] its padded token
+        count, the rest whatever else changes the kernels compute issues (a width, a flag).
+        Captured, they are the graph's output tensors, which the key's next replay
+        overwrites: the caller copies what it keeps."""
+        assert key[0] in self.buckets, (key, self.buckets)
+        if self.capture and key not in self._graphs:
+            try:
+                self._graphs[key] = self._record(key, compute)
+            except RuntimeError as exc:  # something in the step cannot be captured
+                self.off = f"capturing a {key[0]}-token step failed: {exc}"
+                log.warning("CUDA graphs off: %s", self.off)
+        self.replays += 1
+        if key not in self._graphs:
+            return compute()
+        graph, outputs = self._graphs[key]
+        graph.replay()
+        return outputs
+
+    def _record(self, key: tuple, compute: Callable[[], tuple]):
+        began = time.perf_counter()
+        side = torch.cuda.Stream(device=self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                compute()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._memory):
+            outputs = compute()
+        torch.cuda.synchronize(self.device)
+        self.capture_s += time.perf_counter() - began
+        log.info("CUDA graph captured: %s in %.2f s", key, time.perf_counter() - began)
+        return graph, outputs
+
+
+class GraphedForward(StepGraphs):
+    """PagedLlama.forward over one pool and one StepBuffers, its body replayed from CUDA
+    graphs at padded token counts (StepGraphs)."""
+
+    def __init__(self, runner: PagedLlama, pool: KVPool, limits: StepLimits,
+                 buckets: tuple[int, ...] = TOKEN_BUCKETS, capture: bool | None = None):
+        super().__init__(pool.device, limits, pool.block_size, buckets, capture)
+        self.runner, self.pool = runner, pool
+
     def run(self, step: StepInputs, features: bool = False, aux_layers: tuple[int, ...] = ()) -> PagedOutput:
         """The output of PagedLlama.forward for a step planned with pad_to = a bucket."""
         self.runner.check_aux_layers(aux_layers)
-        tokens = step.input_ids.shape[0]
-        assert tokens in self.buckets and step.tree_mask is None, (tokens, self.buckets)
-        key = (tokens, features, aux_layers)
-        if self.capture and key not in self._graphs:
-            try:
-                self._graphs[key] = self._record(step, features, aux_layers)
-            except RuntimeError as exc:  # something in the forward cannot be captured
-                self.off = f"capturing a {tokens}-token step failed: {exc}"
-                log.warning("CUDA graphs off: %s", self.off)
-        if key not in self._graphs:
-            hidden, states = self.runner.body(self.pool, step, features, aux_layers)
-        else:
-            graph, hidden, states = self._graphs[key]
-            graph.replay()
-            # The graph's outputs are the next replay's too: what the step returns is a copy.
-            states = states[:sum(step.lengths)].clone() if states is not None else None
-        # The LM head runs outside the graph on the kept rows only: one launch, and no graph
-        # keeps a [bucket, vocabulary] logits buffer alive.
+        assert step.tree_mask is None
+        hidden, states = self.replay((step.input_ids.shape[0], features, aux_layers),
+                                     lambda: self.runner.body(self.pool, step, features, aux_layers))
+        # A replay's outputs are the next replay's too: what the step returns is a copy (or,
+        # the logits, computed from them). The LM head runs outside the graph on the kept rows
+        # only: one launch, and no graph keeps a [bucket, vocabulary] logits buffer alive.
+        if states is not None:
+            states = states[:sum(step.lengths)].clone()
         logits = self.runner.logits(hidden, step.logit_rows)
-        self.replays += 1
         return split_output(logits, states, step, features)
-
-    def _record(self, step: StepInputs, features: bool, aux_layers: tuple[int, ...]):
-        began = time.perf_counter()
-        side = torch.cuda.Stream(device=self.pool.device)
-        side.wait_stream(torch.cuda.current_stream(self.pool.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.runner.body(self.pool, step, features, aux_layers)
-        torch.cuda.current_stream(self.pool.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._memory):
-            hidden, states = self.runner.body(self.pool, step, features, aux_layers)
-        torch.cuda.synchronize(self.pool.device)
-        self.capture_s += time.perf_counter() - began
-        log.info("CUDA graph captured: %d tokens%s in %.2f s", step.input_ids.shape[0],
-                 " with features" if features else "", time.perf_counter() - began)
-        return graph, hidden, states
