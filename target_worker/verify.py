@@ -26,6 +26,7 @@ rule is needed.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from specdec.sampling import GREEDY, Sampling
 from specdec.sessions import Resync, Session, SessionStore, SyncedContext
 from target_worker.kernels import ops
 from target_worker.kernels.greedy_verify_ref import accept_ref
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,26 @@ class Verifier:
         self.max_context = int(getattr(lm.config, "max_position_embeddings", 0) or 1 << 30)
         if head is not None:
             self._serve_head(head)
+        self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """Where steps replay CUDA graphs, captures them at load for every step a batch of
+        rounds can make (max batch × (max drafts + 1) tokens), the head's too, so no request
+        waits on a capture; larger steps (prefill chunks) are captured when first run."""
+        graphs = getattr(self.lm, "graphs", None)
+        if graphs is None:  # (with graphs that do not capture, as in the CPU tests: padded steps run)
+            return
+        began = time.perf_counter()
+        up_to = self.lm.buffers.limits.max_batch * (self.max_draft_tokens + 1)
+        if self.head is None:
+            sizes = self.lm.capture_graphs(up_to)
+        else:
+            sizes = self.lm.capture_graphs(up_to, features=True, aux_layers=tuple(self.head.aux_layers))
+            storage = self.head.batched.storage
+            if isinstance(storage, PagedHead):
+                storage.capture_graphs(up_to)
+        log.info("CUDA graphs captured at %d sizes up to %d tokens in %.1f s%s", len(sizes), up_to,
+                 time.perf_counter() - began, f" ({graphs.off})" if graphs.off else "")
 
     def _serve_head(self, head) -> None:
         """Gives the head its storage, like the target's: beside a paged target a paged pool

@@ -26,7 +26,7 @@ from target_worker.head import load_inline_head
 from target_worker.kernels.ops import paged_attention
 from target_worker.verify import Round, Verdict, Verifier
 from tests.factories import TEST_DEVICE, make_tiny_model, make_tiny_tokenizer
-from tests.test_eagle_services import make_head
+from specdec import eagle
 
 torch.set_num_threads(2)
 
@@ -287,10 +287,37 @@ def test_up_passes_cuda_graphs_to_the_draft_worker_it_spawns(monkeypatch):
 
 # --- the head's steps beside a graphed target ---------------------------------------------
 
+def make_head(target) -> eagle.EagleHead:
+    """An EAGLE-3-style head: it reads the target's final states and two layers' (so its
+    inputs come at two widths: the target's features, then its own predictions)."""
+    torch.manual_seed(0)
+    vocab = torch.arange(0, target.config.vocab_size, 2)
+    config = eagle.new_config(target, "tiny-target", len(vocab), aux_layers=(0, 1))
+    head = eagle.build(config, target, vocab).eval()
+    assert config.feature_size == 3 * config.hidden_size
+    return head
+
+
 def head_kv(storage: PagedHead, session) -> list[torch.Tensor]:
     size = storage.pool.block_size
     slots = torch.tensor([session.block_table[p // size] * size + p % size for p in range(session.length)])
     return [pool.reshape(-1, *pool.shape[2:])[slots.to(pool.device)].float().cpu() for pool in storage.pool.layer(0)]
+
+
+def test_capturing_at_load_runs_every_bucket_and_leaves_the_pool_as_it_was(model):
+    eager, padded = Served(model, None), Served(model, "padded")
+    assert padded.lm.capture_graphs(40) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert padded.lm.capture_graphs(41) == [1, 2, 4, 8, 16, 24, 32, 40, 48]
+    assert padded.lm.graphs.replays == 17
+    assert padded.lm.cache.blocks.in_use == 0
+    assert padded.lm.capture_graphs(10 ** 6)[-1] == TOKEN_BUCKETS[-1]
+    assert padded.lm.cache.blocks.in_use == 0
+    expected, got = run_steps(eager), run_steps(padded)  # nothing the warm-up wrote is read
+    assert_same(flatten(got, False)[0], flatten(expected, False)[0])
+    head = PagedHead(make_head(model), 64, block_size=4, max_batch=4, graphs=False)
+    widths = {head.head.config.feature_size, head.head.config.hidden_size}
+    assert head.capture_graphs(10) == [1, 2, 4, 8, 16]
+    assert head.graphs.replays == 5 * len(widths) and head.in_use() == 0  # at each feature width
 
 
 def test_a_padded_head_step_equals_an_unpadded_one(model):
@@ -321,8 +348,8 @@ def test_a_padded_head_step_equals_an_unpadded_one(model):
     not ON_CUDA, reason="CUDA graphs need a GPU (SPECDEC_TEST_DEVICE=cuda)"))])
 def test_the_head_beside_a_padded_target_pads_its_steps_and_drafts_the_same(model, mode):
     """A Verifier with an inline head, its target steps padded (or replayed from CUDA graphs):
-    the head's steps are padded (replayed) too, and every verdict — accepted, next token, the
-    next round's drafts — is the eager one."""
+    the head's steps are padded (replayed) too, and every verdict over 6 rounds — accepted, next
+    token, the next round's drafts — is the eager one."""
 
     def verifier(padded: bool) -> Verifier:
         lm = serving_lm(model, False, "paged", max_cache_bytes=1 << 24, attention=paged_attention,
@@ -330,25 +357,37 @@ def test_the_head_beside_a_padded_target_pads_its_steps_and_drafts_the_same(mode
         if padded and mode == "padded":
             lm.graphs = GraphedForward(lm.runner, lm.pool, lm.buffers.limits, capture=False)
         inline = load_inline_head(None, model, make_head(model), fast=False, min_chain_prob=0.0, min_alt_prob=1.0)
-        return Verifier(lm, SessionStore(8, 1 << 30, lm.bytes_per_token), 8, inline)
+        verifier = Verifier(lm, SessionStore(8, 1 << 30, lm.bytes_per_token), 8, inline)
+        if padded:  # every size a batch of rounds can take was run (captured) at load
+            up_to = lm.buffers.limits.max_batch * (8 + 1)
+            sizes = [b for b in TOKEN_BUCKETS if b < up_to] + [min(b for b in TOKEN_BUCKETS if b >= up_to)]
+            head = verifier.head.batched.storage
+            widths = {head.head.config.feature_size, head.head.config.hidden_size}
+            assert lm.graphs.replays == len(sizes) and head.graphs.replays == len(widths) * len(sizes)
+            if mode == "captured":
+                assert lm.graphs.captured == sizes and head.graphs.captured == sizes
+            assert lm.cache.blocks.in_use == 0 and head.in_use() == 0
+        return verifier
 
     runs = {}
     for padded in (False, True):
         v = verifier(padded)
         committed = {f"s{i}": token_ids(700 + i, 5 + 7 * i) for i in range(3)}
-        cached, drafts, verdicts = dict.fromkeys(committed, 0), dict.fromkeys(committed, []), []
-        for _ in range(5):
-            rounds = [Round(name, cached[name], ids[cached[name]:], drafts[name], draft_next=4)
+        # As the coordinator sends them: from what was committed when the last round was sent.
+        sent, drafts, verdicts = dict.fromkeys(committed, 0), dict.fromkeys(committed, []), []
+        for _ in range(6):
+            rounds = [Round(name, sent[name], ids[sent[name]:], drafts[name], draft_next=4)
                       for name, ids in committed.items()]
             for name, verdict in zip(committed, v.verify_batch(rounds).results):
                 assert isinstance(verdict, Verdict), verdict
                 verdicts.append((verdict.accepted, verdict.next_token, verdict.cached_len, verdict.next_drafts,
                                  verdict.extra))
+                sent[name] = len(committed[name])
                 committed[name] += drafts[name][:verdict.accepted] + [verdict.next_token] + list(verdict.extra)
-                cached[name], drafts[name] = verdict.cached_len, list(verdict.next_drafts)
+                drafts[name] = list(verdict.next_drafts)
         runs[padded] = verdicts
         if padded:
             assert v.lm.graphs.replays > 0 and v.head.batched.storage.graphs.replays > 0
             assert v.head.batched.storage.graphs.capture == (mode == "captured")
     assert runs[True] == runs[False]
-    assert any(len(v[3]) for v in runs[True])  # the head drafted
+    assert any(len(v[3]) for v in runs[True]) and any(v[0] for v in runs[True])  # drafted, and accepted

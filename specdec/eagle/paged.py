@@ -119,21 +119,42 @@ class PagedHead:
         step = self.buffers.plan(self.cache, [StepRequest(s, list(t)) for s, t in zip(sessions, tokens)],
                                  pad_to=pad_to)
         features = features.to(device=self.device, dtype=self.dtype)
-        if pad_to is None:
-            out = self._body(step, features)[0]
-        else:
-            width = features.shape[-1]
-            if width not in self._features:
-                self._features[width] = torch.zeros(self.graphs.buckets[-1], width, dtype=self.dtype,
-                                                    device=self.device)
-            rows = self._features[width][:pad_to]  # past `total`: stale rows, padding's own
-            rows[:total].copy_(features)
-            # A replay's output is the next one's too: what the step returns is a copy.
-            out = self.graphs.replay((pad_to, width), lambda: self._body(step, rows))[0][:total].clone()
+        out = self._body(step, features)[0] if pad_to is None else self._padded(step, features, pad_to)
         for session, fed in zip(sessions, tokens):
             self.cache.commit(session, list(fed))
         assert out.shape[0] == total
         return out
+
+    def _padded(self, step: StepInputs, features: torch.Tensor, pad_to: int) -> torch.Tensor:
+        """The step planned with pad_to, through self.graphs: its real rows' predictions."""
+        total, width = features.shape
+        if width not in self._features:
+            self._features[width] = torch.zeros(self.graphs.buckets[-1], width, dtype=self.dtype, device=self.device)
+        rows = self._features[width][:pad_to]  # past `total`: stale rows, padding's own
+        rows[:total].copy_(features)
+        # A replay's output is the next one's too: what the step returns is a copy.
+        return self.graphs.replay((pad_to, width), lambda: self._body(step, rows))[0][:total].clone()
+
+    @torch.inference_mode()
+    def capture_graphs(self, up_to: int) -> list[int]:
+        """PagedCausalLM.capture_graphs for the head's steps, at both widths of features it
+        reads (the target's, then its own predictions)."""
+        if self.graphs is None:
+            return []
+        plan = self.graphs.warm_up_sizes(up_to)
+        widths = sorted({self.head.config.feature_size, self.head.config.hidden_size})
+        session = PagedSession()
+        try:
+            self.cache.reserve(session, max((n for _, n in plan), default=0))  # never committed
+            for size, n in plan:
+                for width in widths:
+                    step = self.buffers.plan(self.cache, [StepRequest(session, [0] * n)], pad_to=size)
+                    self._padded(step, torch.zeros(n, width, dtype=self.dtype, device=self.device), size)
+                if self.graphs.off is not None:
+                    break
+        finally:
+            self.cache.release(session)
+        return [size for size, _ in plan]
 
     def _body(self, step: StepInputs, features: torch.Tensor) -> tuple[torch.Tensor]:
         """The head's layer over the step's packed tokens: (predicted features [T, H],). Sizes

@@ -20,8 +20,10 @@ How a step fits a graph:
 - Captured: chain steps (decoding and chain verification) up to the largest bucket, with or
   without the features a head reads. A step with a tree mask, a prefill chunk past the largest
   bucket, or a model whose RoPE reads the largest position (dynamic scaling) runs eagerly.
-- A bucket is captured the first time a step needs it (a warm-up run on a side stream first:
-  Triton compiles, cuBLAS picks its kernels; then the capture). Warm-up and capture write the
+- A bucket is captured by a step run at it (a warm-up run on a side stream first: Triton
+  compiles, cuBLAS picks its kernels; then the capture): at load, a throwaway step per bucket
+  up to a size the caller names (PagedCausalLM.capture_graphs; the target worker's: what a
+  batch of rounds can take), and past it the first step that needs one. Warm-up and capture write the
   step's own K/V into its own slots, which the replay writes again with the same values. All
   graphs share one memory pool; each keeps its outputs (the final norm's states, and the
   features a head reads), which a replay overwrites, so what a step returns is computed or
@@ -101,6 +103,14 @@ class StepGraphs:
             if size >= tokens:
                 return size if size - tokens <= self.max_padding else None
         return None
+
+    def warm_up_sizes(self, up_to: int) -> list[tuple[int, int]]:
+        """For capturing at load every bucket a step of up to `up_to` tokens can take: per
+        bucket, (its size, the fewest real tokens a step padded to it carries)."""
+        last = self.bucket(min(up_to, self.buckets[-1]), trees=False)
+        if last is None:
+            return []
+        return [(size, max(1, size - self.max_padding)) for size in self.buckets if size <= last]
 
     def replay(self, key: tuple, compute: Callable[[], tuple]) -> tuple:
         """compute()'s outputs for the step now in the static inputs: key[0] its padded token

@@ -159,6 +159,27 @@ class PagedCausalLM(CausalLM):
             self.cache.truncate(paged, length)
 
     @torch.inference_mode()
+    def capture_graphs(self, up_to: int, features: bool = False, aux_layers: tuple[int, ...] = ()) -> list[int]:
+        """Runs a step at every bucket up to the one a step of up_to tokens takes, so that
+        each graph is captured now (at load) rather than by the first step that needs it.
+        Returns the sizes run. Each step is throwaway tokens of a session of its own, as few
+        as the padding allows, padded to the size; their blocks are released after."""
+        if self.graphs is None:
+            return []
+        plan = self.graphs.warm_up_sizes(up_to)
+        session = PagedSession()
+        try:
+            self.cache.reserve(session, max((n for _, n in plan), default=0))  # never committed
+            for size, n in plan:
+                step = self.buffers.plan(self.cache, [StepRequest(session, [0] * n)], pad_to=size)
+                self.graphs.run(step, features=features, aux_layers=tuple(aux_layers))
+                if self.graphs.off is not None:
+                    break
+        finally:
+            self.cache.release(session)
+        return [size for size, _ in plan]
+
+    @torch.inference_mode()
     def feed(self, session: Session, tokens: list[int], logits_to_keep: int,
              parents: list[int] | None = None) -> torch.Tensor:
         return self.feed_batch([session], [tokens], [logits_to_keep], parents=[parents])[0]
