@@ -465,6 +465,10 @@ def paged_path(plan: Plan, model: torch.nn.Module, batches: tuple[int, ...],
     for path in ("paged", "graphs"):
         if path == "graphs":
             with_graphs(plan, lm)
+            began = time.perf_counter()
+            sizes = lm.capture_graphs(most * NEW_TOKENS)  # as a target worker does at load
+            notes.append(f"graphs: {len(sizes)} sizes up to {sizes[-1]} tokens captured at load in "
+                         f"{time.perf_counter() - began:.1f} s (a worker's start-up cost)")
         rows = []
         for batch in batches:
             step = partial(verification_step, lm, sessions[:batch], tokens[:batch], plan.context)
