@@ -21,13 +21,15 @@ How a step fits a graph:
   without the features a head reads. A step with a tree mask, a prefill chunk past the largest
   bucket, or a model whose RoPE reads the largest position (dynamic scaling) runs eagerly.
 - A bucket is captured by a step run at it (a warm-up run on a side stream first: Triton
-  compiles, cuBLAS picks its kernels; then the capture): at load, a throwaway step per bucket
-  up to a size the caller names (PagedCausalLM.capture_graphs; the target worker's: what a
-  batch of rounds can take), and past it the first step that needs one. Warm-up and capture write the
-  step's own K/V into its own slots, which the replay writes again with the same values. All
-  graphs share one memory pool; each keeps its outputs (the final norm's states, and the
-  features a head reads), which a replay overwrites, so what a step returns is computed or
-  copied out of them.
+  compiles, cuBLAS picks its kernels; then the capture, which records without running): at
+  load, a throwaway step per bucket up to a size the caller names
+  (PagedCausalLM.capture_graphs; the target worker's: what a batch of rounds can take), and
+  past it the first step that needs one, whose warm-up writes the step's own K/V into its
+  own slots, as its replay then does again. All graphs share one memory pool; each keeps
+  its outputs (the final norm's states, and the features a head reads), which a replay
+  overwrites, so what a step returns is computed or copied out of them.
+- StepGraphs is the mechanism alone; GraphedForward runs the target's steps through it, and
+  specdec.eagle.paged.PagedHead a head's.
 - The graph is the step's body, PagedLlama.body. The LM head runs after the replay, eagerly,
   on the kept rows only (one matmul): a graph's outputs are then H (or the features' width)
   per padded token instead of a vocabulary's worth of logits.
