@@ -204,6 +204,17 @@ PAUSE_MIN_DRAFTS = 4.0
 PAUSE_STEPS = 8
 PAUSE_EVERY = 96
 PAIRED_DECAY = 0.5
+# A pause also compares what the replica delivers, tokens per second of step, drafting (the
+# steps around it, each round committing τ) and not (its own steps, one token a round). The
+# price of a row is a model of that; where the comparison finds drafting delivering less,
+# the model missed a cost, and every row's price is multiplied by PRICE_STEP more (up to
+# MAX_PRICE_SCALE); where drafting delivers more than GAIN_MARGIN above, the multiplier is
+# divided by PRICE_STEP again (down to 1). A multiplier halves after PRICE_RETRY_STEPS decode
+# steps without a verdict, so a replica that stopped drafting tries again later.
+PRICE_STEP = 2.0
+MAX_PRICE_SCALE = 16.0
+GAIN_MARGIN = 0.03
+PRICE_RETRY_STEPS = 512
 
 
 class StepCostModel:
@@ -234,10 +245,18 @@ class StepCostModel:
     before and after give t_draft by a controlled comparison, which then replaces the
     window's slope.
     The pauses are what the measurement costs: PAUSE_STEPS of every PAUSE_EVERY steps while
-    drafting under load, none at one request or while nobody drafts."""
+    drafting under load, none at one request or while nobody drafts.
+
+    A pause is also a direct test of the price: the replica's tokens per second of step with
+    drafting (the steps around the pause) against without (the pause). Whatever the model
+    leaves out — a cost outside the fitted rows, a τ that the drafts do not reach — shows
+    there; where drafting delivered less, `price_scale` multiplies every row's price until
+    only what pays is drafted, or nothing (PRICE_STEP above). Speculation under load is thus
+    held to what it measurably gives, not to what the model predicts."""
 
     def __init__(self) -> None:
-        self.steps: deque[tuple[int, int, float]] = deque(maxlen=STEP_WINDOW)  # rounds, drafts, seconds
+        # rounds, drafts, seconds without the head's drafting, seconds
+        self.steps: deque[tuple[int, int, float, float]] = deque(maxlen=STEP_WINDOW)
         self.rounds = 1.0  # rounds in the usual decode step (the median of the last USUAL_STEPS)
         self.drafts = 0.0  # draft rows in the usual decode step
         self.drafting = 0.0  # decayed share of rounds that carry drafts
@@ -256,16 +275,21 @@ class StepCostModel:
         self.since_pause = 0  # steps observed since the last pause began (or since the first)
         self.pauses = 0
         self._pause_wanted = False  # the last fit found drafting under load
-        # Decode steps (step, rounds, drafts, seconds without the head's drafting) of the
+        # Decode steps (step, rounds, drafts, seconds without the head's drafting, seconds) of the
         # current pause and the PAUSE_STEPS before and after it; the decayed mean of the
         # paired figures (s per draft row) and its weight.
-        self._pair: list[tuple[int, int, int, float]] = []
+        self._pair: list[tuple[int, int, int, float, float]] = []
         self._after_left = 0  # decode steps after the pause still to be taken into its measurement
         self.paired = 0.0
         self.paired_weight = 0.0
         self.paired_rounds = 0.0  # the usual step's rounds when the last pause was measured
         self._pause_rounds = 0.0  # the usual step's rounds when the current pause began
         self._decode_steps = 0  # decode steps observed: the pause measurement's time axis
+        self.price_scale = 1.0  # what the pauses' tokens per second found the price missing
+        self._scaled_at = 0  # the decode step of the last verdict on the price
+        # The last verdicts (drafting's tokens/s over the pause's) and how many there were.
+        self.verdicts: deque[float] = deque(maxlen=32)
+        self.verdict_count = 0
 
     def observe(self, rows: int, seconds: float, rounds: int, drafts: int = 0, drafting: int = 0,
                 head_s: float = 0.0) -> None:
@@ -282,7 +306,7 @@ class StepCostModel:
             self.pause_left = self._after_left = 0  # the load it was to measure is gone
             self._pair = []
         if self.pause_left or self._after_left:
-            self._pair.append((self._decode_steps, rounds, drafts, seconds - min(max(0.0, head_s), seconds)))
+            self._pair.append((self._decode_steps, rounds, drafts, seconds - min(max(0.0, head_s), seconds), seconds))
             if self.pause_left:
                 self.pause_left -= 1
                 self._after_left = 0 if self.pause_left else PAUSE_STEPS
@@ -304,7 +328,10 @@ class StepCostModel:
         else:
             self.drafting = STEP_DECAY * self.drafting + (1 - STEP_DECAY) * share
             self.head_per_step = STEP_DECAY * self.head_per_step + (1 - STEP_DECAY) * head_s
-        self.steps.append((rounds, drafts, seconds - head_s))
+        self.steps.append((rounds, drafts, seconds - head_s, seconds))
+        if self.price_scale > 1 and self._decode_steps - self._scaled_at >= PRICE_RETRY_STEPS:
+            self.price_scale = max(1.0, self.price_scale / PRICE_STEP)
+            self._scaled_at = self._decode_steps
         self._stale = True
 
     def observe_round(self, tokens: int) -> None:
@@ -340,7 +367,7 @@ class StepCostModel:
         base, per_draft = self.fit()
         self._step_s = base + self.head_per_step
         waiting = 1 + (self.rounds - 1) * self.tokens_per_round
-        cost = waiting * per_draft / self._step_s if self._step_s > 0 else MAX_DRAFT_TOKEN_COST
+        cost = self.price_scale * waiting * per_draft / self._step_s if self._step_s > 0 else MAX_DRAFT_TOKEN_COST
         self._cost = min(MAX_DRAFT_TOKEN_COST, max(DRAFT_TOKEN_COST, cost))
         self._pause_wanted = self.rounds >= 2 and self.drafts >= PAUSE_MIN_DRAFTS
 
@@ -351,10 +378,12 @@ class StepCostModel:
         within a few steps; the drift takes out what changes steadily meanwhile, as contexts
         grow)."""
         pair, self._pair = self._pair, []
-        data = np.array(pair, dtype=np.float64).reshape(-1, 4)
+        data = np.array(pair, dtype=np.float64).reshape(-1, 5)
         drafts = data[:, 2]
         if not (drafts == 0).any() or (drafts > 0).sum() < 2:
             return  # the pause did not reach the steps, or nothing was drafted around it
+        self._judge_price(data)
+        data = data[:, :4]
         x = np.column_stack([np.ones(len(data)), drafts, data[:, 0] - data[0, 0]])
         y = data[:, 3] - self._fit_rounds() * data[:, 1]
         slope = float(np.linalg.lstsq(x, y, rcond=None)[0][1])
@@ -363,6 +392,24 @@ class StepCostModel:
         self.paired_weight = PAIRED_DECAY * self.paired_weight + 1
         self.paired_rounds = self._pause_rounds
         self._stale = True
+
+    def _judge_price(self, data: np.ndarray) -> None:
+        """Tokens per second of step (the head's drafting included) of the drafting steps
+        around a pause, each round committing τ, against the pause's steps without drafts,
+        one token a round; moves `price_scale` by the verdict. Not before τ is measured."""
+        if not self._tokens_seen:
+            return
+        drafting, plain = data[data[:, 2] > 0], data[data[:, 2] == 0]
+        with_drafts = self.tokens_per_round * drafting[:, 1].sum() / drafting[:, 4].sum()
+        without = plain[:, 1].sum() / plain[:, 4].sum()
+        ratio = with_drafts / without
+        self.verdicts.append(ratio)
+        self.verdict_count += 1
+        if ratio < 1:
+            self.price_scale = min(MAX_PRICE_SCALE, self.price_scale * PRICE_STEP)
+        elif ratio > 1 + GAIN_MARGIN:
+            self.price_scale = max(1.0, self.price_scale / PRICE_STEP)
+        self._scaled_at = self._decode_steps
 
     @property
     def paused(self) -> bool:

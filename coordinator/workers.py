@@ -841,8 +841,12 @@ class TargetClient(WorkerClient):
         model = self.costs.get(address)
         if model is None:
             model = self.costs[address] = StepCostModel()
+        verdicts, scale = model.verdict_count, model.price_scale
         model.observe(response.rows, response.step_s, rounds, drafts, drafting, response.draft_s)
         model.observe_head(response.draft_s, rounds, asking)
+        if model.verdict_count != verdicts:
+            verdict = "raised" if model.price_scale > scale else "lowered" if model.price_scale < scale else "kept"
+            metrics.DRAFT_PRICE_VERDICTS.labels(verdict=verdict).inc()
 
     @staticmethod
     def _round_tokens(request) -> int:

@@ -69,6 +69,10 @@ HEDGES_SKIPPED = Counter("specdec_hedges_skipped_total",
                          "no_replica", ["reason"])
 DRAFT_PAUSES = Counter("specdec_draft_pauses_total",
                        "Pauses of drafting on a target replica, so that its step cost model sees steps without drafts")
+DRAFT_PRICE_VERDICTS = Counter("specdec_draft_price_verdicts_total",
+                               "Pauses of drafting whose tokens per second of step judged the price of a draft row "
+                               "(raised: drafting delivered less than not drafting; lowered: more by a margin; kept)",
+                               ["verdict"])
 ROUNDS_RUN_AHEAD = Counter("specdec_rounds_run_ahead_total",
                            "Rounds a target replica ran by itself, ahead of the coordinator (--run-ahead), "
                            "whose verdicts the coordinator committed")

@@ -578,6 +578,55 @@ def test_a_pause_measures_only_the_load_it_began_under():
     assert model.rounds == 1 and model.fit()[1] != measured
 
 
+def drafting_load(model: StepCostModel, steps: int, tokens_per_round: float, unseen_s: float, seed: int = 0) -> None:
+    """A replica under load whose drafting rounds commit `tokens_per_round` each and whose
+    steps with drafts cost `unseen_s` beyond their rows (a cost the model does not fit: it
+    does not grow with the rows); the rounds draft 0.7 rows each unless the model pauses
+    them, and fewer as the price rises. Rounds commit after their step, as the coordinator
+    sees them."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        rounds = int(rng.integers(48, 65))
+        paused = model.paused
+        share = 0.0 if paused else 0.7 * min(1.0, 0.2 / max(model.draft_token_cost(), 1e-9))
+        drafts = int(round(rounds * share * rng.uniform(0.95, 1.05)))
+        seconds = (0.040 + 0.004 * rounds + 0.0016 * drafts + (unseen_s if drafts else 0.0)) * rng.uniform(0.97, 1.03)
+        model.observe(rounds + drafts, seconds, rounds, drafts, drafts // 2)
+        for _ in range(rounds):
+            model.observe_round(1 if not drafts else int(rng.random() < tokens_per_round - 1) + 1)
+
+
+def test_a_pause_that_finds_drafting_losing_raises_the_price_of_a_row():
+    """The pauses compare tokens per second of step with and without drafts: where drafting
+    delivers less than not drafting (here its steps carry a cost the rows do not explain
+    and its rounds commit few extra tokens), every row's price is multiplied until drafting
+    stops paying; where it delivers more, the price is the model's own."""
+    for seed in range(3):
+        losing, paying = StepCostModel(), StepCostModel()
+        drafting_load(losing, 400, tokens_per_round=1.1, unseen_s=0.030, seed=seed)
+        drafting_load(paying, 400, tokens_per_round=1.6, unseen_s=0.0, seed=seed)
+        assert losing.verdicts and paying.verdicts
+        assert all(v < 1 for v in losing.verdicts) and all(v > 1 + adaptive.GAIN_MARGIN for v in paying.verdicts)
+        assert losing.price_scale >= adaptive.PRICE_STEP ** 2 and paying.price_scale == 1.0
+        assert losing.draft_token_cost() > 2 * paying.draft_token_cost()
+
+
+def test_a_raised_price_falls_back_after_steps_without_a_verdict():
+    """A replica whose price was raised until nobody drafts gets no more pauses, so no
+    more verdicts: the multiplier halves every PRICE_RETRY_STEPS decode steps, and drafting
+    is tried again."""
+    model = StepCostModel()
+    drafting_load(model, 400, tokens_per_round=1.1, unseen_s=0.030)
+    raised = model.price_scale
+    assert raised > 1
+    for _ in range(adaptive.PRICE_RETRY_STEPS):
+        model.observe(56, 0.264, 56, 0, 0)  # nobody drafts
+    assert model.price_scale == raised / adaptive.PRICE_STEP
+    for _ in range(adaptive.PRICE_RETRY_STEPS * 8):
+        model.observe(56, 0.264, 56, 0, 0)
+    assert model.price_scale == 1.0
+
+
 def test_new_requests_start_from_the_drafters_recent_acceptance():
     record = DrafterRecord()
     assert record.start(4).best_k() == 4  # an unknown drafter is trusted at first
