@@ -52,12 +52,31 @@ log = logging.getLogger(__name__)
 @dataclass
 class HeadState:
     session: Session  # the head's own: its PagedSession, fed ids, positions fed true features
-    start: int  # position of rows[0]
-    rows: torch.Tensor  # [n, F] float16 features of committed positions start … not yet fed (F: feature_size)
+    start: int  # position of the first row
+    # float16 [nᵢ, F] pieces, in order, of the features of committed positions start … not yet
+    # fed (F: feature_size). A step appends its piece without copying the others: a session
+    # that drafts nothing for many steps would otherwise copy all it holds at every step.
+    pieces: list[torch.Tensor]
+    length: int  # rows in the pieces together
     # The last draft handed out and its alternatives, (depth, token): what the next round's
     # verification scores as tree leaves when its draft tokens are (a prefix of) that draft.
     drafted: tuple[int, ...] = ()
     alternatives: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """[length, F]: the pieces as one tensor (joined once, when read)."""
+        if len(self.pieces) > 1:
+            self.pieces = [torch.cat(self.pieces)]
+        return self.pieces[0]
+
+    @rows.setter
+    def rows(self, rows: torch.Tensor) -> None:
+        self.pieces, self.length = [rows], len(rows)
+
+    def append(self, rows: torch.Tensor) -> None:
+        self.pieces.append(rows)
+        self.length += len(rows)
 
 
 class InlineHead:
@@ -84,16 +103,18 @@ class InlineHead:
         state = session.head
         if state is None:
             if start == 0:  # the head can only start from the first position
-                session.head = HeadState(Session(session.session_id + "/head"), 0, rows)
+                session.head = HeadState(Session(session.session_id + "/head"), 0, [rows], len(rows))
             return
-        end = state.start + len(state.rows)
+        end = state.start + state.length
         if start > end:  # a gap: the head cannot be fed past it
             self.forget(session)
             return
         if start < state.start:
             state.start, state.rows = start, rows
-            return
-        state.rows = torch.cat([state.rows[:start - state.start], rows])
+        elif start == end:  # the next positions: every step of a session that drafts nothing
+            state.append(rows)
+        else:  # positions rolled back and computed again
+            state.rows = torch.cat([state.rows[:start - state.start], rows])
 
     def forget(self, session: Session) -> None:
         """Drops the head's state for `session`, its blocks given back to the pool."""
@@ -111,7 +132,7 @@ class InlineHead:
             return 0
         cache = state.session.cache
         kv = self.batched.storage.held_bytes(cache) if cache is not None and self.batched is not None else 0
-        return kv + storage_bytes((state.rows,))
+        return kv + storage_bytes(tuple(state.pieces))
 
     def draft(self, session: Session, context: list[int], k: int) -> list[int]:
         """Up to k draft tokens continuing `context` (the committed sequence, its last token

@@ -318,3 +318,38 @@ def test_a_head_reading_layers_the_target_lacks_is_refused_at_start(target, toke
 
     with pytest.raises(FailedPrecondition, match=r"layers \[5\]"):
         run(scenario())
+
+
+def test_recorded_features_are_the_target_rows_in_order_whatever_the_steps():
+    """record() keeps the features of positions not yet fed to the head: appended step by
+    step without copying what it holds, replaced from a rolled-back position, dropped at a
+    gap; read back, they are the rows of every position from `start` on, and held_bytes
+    counts them."""
+    import torch
+
+    from specdec.sessions import Session
+
+    head = InlineHead.__new__(InlineHead)  # record() needs no model
+    head.batched = None
+    rows = torch.randn(40, 6).half()
+    session = Session("s")
+    head.record(session, 3, rows[3:5])
+    assert session.head is None  # the head can only start from position 0
+    head.record(session, 0, rows[:10].clone())
+    kept = []
+    for position in range(10, 30):  # a session that drafts nothing: one row a step
+        piece = rows[position:position + 1].clone()
+        kept.append(piece)
+        head.record(session, position, piece)
+    state = session.head
+    assert state.length == 30 and all(any(p is k for p in state.pieces) for k in kept)  # none copied
+    assert head.held_bytes(session) == 30 * 6 * 2
+    assert torch.equal(state.rows, rows[:30]) and state.start == 0
+    assert len(state.pieces) == 1  # joined once, when read
+    again = rows[25:28] + 1  # positions 25.. rolled back and computed again
+    head.record(session, 25, again)
+    assert state.length == 28 and torch.equal(state.rows, torch.cat([rows[:25], again]))
+    head.record(session, 28, rows[28:30])
+    assert torch.equal(state.rows[26:], torch.cat([again[1:], rows[28:30]]))
+    head.record(session, 35, rows[35:36])  # a gap: the head cannot be fed past it
+    assert session.head is None
