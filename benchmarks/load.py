@@ -9,6 +9,7 @@ measured side by side in one run (this machine is shared and noisy).
     python benchmarks/load.py --paged --clients 1,16 --name load-paged   # also `--kv-cache paged`
     python benchmarks/load.py --clients 16 --up-args="--min-alt-prob 1"  # more `specdec up` flags
     python benchmarks/load.py --http                # the APIs side by side: gRPC, HTTP (openai SDK), HTTP (aiperf)
+    python benchmarks/load.py --worker-loop         # also the target worker's own loop at each concurrency
 
 One `specdec up` process (coordinator, target and draft workers, mTLS links, exactly as users
 run it, with the drafter `specdec up` picks for the target unless --draft names one) serves
@@ -33,6 +34,11 @@ the speculation-off tokens of the same request (greedy: the target alone).
 --unbatched and --paged start a second `specdec up` (`--no-batching`, `--kv-cache paged`)
 whose runs join the same alternation (modes "unbatched-off", "paged-off" and "paged-on"), so
 their ratios to the first process's runs come from one run.
+
+--worker-loop also runs, after the services' runs, the target worker's own code in this
+process (benchmarks/round_cost.py's worker loop: its Verifier, B sessions one token each per
+step, no gRPC, no coordinator, no clients) at each concurrency: how far the worker itself
+scales with the batch, beside what the services make of it.
 
 Prints the JSON report (also written to --out/NAME.json, with NAME.md; --name, default load).
 
@@ -76,6 +82,8 @@ ON_OVER_OFF = 0.97
 PAGED_OVER_BUFFERED = 0.95
 # Aggregate tokens/s at 16 clients over 1 client that batching must reach (speculation on).
 SCALING_16 = 6.0
+# Steps per concurrency of the worker's own loop (--worker-loop), after its prefill.
+WORKER_LOOP_STEPS = 32
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -207,6 +215,15 @@ def targets(summary: dict, concurrencies: list[int]) -> list[dict]:
     return out
 
 
+def worker_targets(loop: dict) -> list[dict]:
+    """The scaling target for the target worker's own loop (--worker-loop)."""
+    if "1" not in loop or "16" not in loop:
+        return []
+    ratio = loop["16"]["tokens_per_s"] / loop["1"]["tokens_per_s"]
+    return [{"target": f"the target worker's own loop: tokens/s at 16 sessions >= {SCALING_16:g}x 1 session "
+                       "(no gRPC, speculation off)", "value": round(ratio, 2), "met": ratio >= SCALING_16}]
+
+
 def markdown(report: dict) -> str:
     lines = [f"# Load benchmark — {report['machine'].get('cpu_model', '')}, {report['machine'].get('cpu_cores', '')} cores, torch {report['machine'].get('torch', '')}", "",
              f"`{report['command']}`; target {report['config']['target']}, drafter {report['config']['draft']}, "
@@ -224,6 +241,14 @@ def markdown(report: dict) -> str:
                              f"{m['itl_p50_ms']:.0f} | "
                              f"{m['itl_p99_ms']:.0f} | {m['ttft_p50_ms']:.0f} | {m['ttft_p99_ms']:.0f} | "
                              f"{m['acceptance_rate']:.2f} | {m['draft_tokens_per_round']:.2f} |")
+    if report.get("worker_loop"):
+        lines += ["", "The target worker's own loop (`--worker-loop`: its Verifier in one process, B sessions "
+                  "one token each per step):", "", "| sessions | ms per step | tokens/s | over 1 session |",
+                  "| --- | --- | --- | --- |"]
+        one = report["worker_loop"].get("1", {}).get("tokens_per_s")
+        for sessions, row in report["worker_loop"].items():
+            scale = f"{row['tokens_per_s'] / one:.2f}" if one else ""
+            lines.append(f"| {sessions} | {row['ms_per_round']:.1f} | {row['tokens_per_s']:.1f} | {scale} |")
     lines += ["", "| target | value | met |", "| --- | --- | --- |"]
     lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'NO'} |" for t in report["targets"]]
     lines += ["", f"Outputs identical to speculation off in every run: {report['identical']}."]
@@ -411,6 +436,14 @@ def http_markdown(report: dict) -> str:
                              f"{p['ttft_p50_delta_ci95_ms']} | {p['grpc']['outside_decoding_p50_ms']:.1f} | "
                              f"{p['http-sdk']['outside_decoding_p50_ms']:.1f} | "
                              f"{p['outside_decoding_delta_ms']:+.1f} {p['outside_decoding_delta_ci95_ms']} |")
+    if report.get("worker_loop"):
+        lines += ["", "The target worker's own loop (`--worker-loop`: its Verifier in one process, B sessions "
+                  "one token each per step):", "", "| sessions | ms per step | tokens/s | over 1 session |",
+                  "| --- | --- | --- | --- |"]
+        one = report["worker_loop"].get("1", {}).get("tokens_per_s")
+        for sessions, row in report["worker_loop"].items():
+            scale = f"{row['tokens_per_s'] / one:.2f}" if one else ""
+            lines.append(f"| {sessions} | {row['ms_per_round']:.1f} | {row['tokens_per_s']:.1f} | {scale} |")
     lines += ["", "| target | value | met |", "| --- | --- | --- |"]
     lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'NO'} |" for t in report["targets"]]
     lines += ["", f"gRPC and HTTP (openai SDK) outputs identical in every run: {report['identical']}."]
@@ -612,6 +645,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probes", type=int, default=24,
                         help="--http: probe requests per API and concurrency for TTFT under load (0: none)")
     parser.add_argument("--probe-tokens", type=int, default=8, help="--http: new tokens per probe request")
+    parser.add_argument("--worker-loop", action="store_true",
+                        help="also the target worker's own loop at each concurrency (no gRPC), after the services")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     if args.draft is None:
@@ -671,6 +706,14 @@ def main(argv: list[str] | None = None) -> int:
             for key, out in r["outputs"].items():
                 reference.setdefault(key, out)
     identical = all(reference.get(key) == out for r in runs for key, out in r["outputs"].items())
+    worker_loop: dict = {}
+    if args.worker_loop:
+        from benchmarks.round_cost import worker_loop as run_worker_loop
+
+        for clients in concurrencies:
+            worker_loop[str(clients)] = run_worker_loop(args.target, clients, WORKER_LOOP_STEPS, args.threads)
+            print(f"{clients:>3} sessions   worker loop: {worker_loop[str(clients)]['tokens_per_s']:6.1f} tok/s "
+                  f"({worker_loop[str(clients)]['ms_per_round']:.1f} ms per step)", file=sys.stderr, flush=True)
     modes = ["off", "on"] + (["unbatched-off"] if unbatched is not None else []) + \
         (["paged-off", "paged-on"] if paged is not None else [])
     summary = summarise(runs, concurrencies, modes)
@@ -681,7 +724,8 @@ def main(argv: list[str] | None = None) -> int:
                    "requests_per_client": args.requests_per_client, "max_new_tokens": args.max_new_tokens,
                    "repeats": repeats, "up_args": args.up_args},
         "summary": summary,
-        "targets": targets(summary, concurrencies),
+        "targets": targets(summary, concurrencies) + worker_targets(worker_loop),
+        "worker_loop": worker_loop,
         "identical": identical,
         "runs": [{key: value for key, value in r.items() if key != "outputs"} for r in runs],
     }
