@@ -31,6 +31,12 @@ clients sees it; both are reported and both ratios are checked. Time to first to
 of g/m — speculation delivers tokens in bursts). Every run's tokens are checked equal to
 the speculation-off tokens of the same request (greedy: the target alone).
 
+Per run also the target worker's steps, read from the server's /metrics before and after
+it: how many batched steps the run took, and their mean rounds and rows (tokens through the
+model: prompts, rounds and draft rows). With a fixed batch of requests the run's wall time is
+about its steps times their mean duration, so these say whether speculation saved steps or
+only added rows to them.
+
 --unbatched and --paged start a second `specdec up` (`--no-batching`, `--kv-cache paged`)
 whose runs join the same alternation (modes "unbatched-off", "paged-off" and "paged-on"), so
 their ratios to the first process's runs come from one run.
@@ -92,6 +98,34 @@ def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
     return ordered[index]
+
+
+# The target worker's counters a run's step figures come from (specdec.metrics).
+STEP_SERIES = {"specdec_worker_batch_rounds_count": "steps", "specdec_worker_batch_rounds_sum": "rounds",
+               "specdec_worker_batch_rows_sum": "rows"}
+
+
+def worker_steps(metrics_url: str) -> dict[str, float]:
+    """The target worker's steps, rounds and rows so far, from a server's /metrics."""
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    totals = dict.fromkeys(STEP_SERIES.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in STEP_SERIES and sample.labels.get("kind") == "target":
+                totals[STEP_SERIES[sample.name]] += sample.value
+    return totals
+
+
+def step_figures(before: dict[str, float], after: dict[str, float]) -> dict:
+    steps = after["steps"] - before["steps"]
+    return {"steps": int(steps),
+            "rounds_per_step": (after["rounds"] - before["rounds"]) / steps if steps else 0.0,
+            "rows_per_step": (after["rows"] - before["rows"]) / steps if steps else 0.0}
 
 
 async def one_request(client, prompt: str, max_new_tokens: int, k: int, speculate: bool) -> dict:
@@ -175,6 +209,9 @@ def summarise(runs: list[dict], concurrencies: list[int], modes: list[str]) -> d
                 "draft_tokens_per_round": statistics.median(r["draft_tokens_per_round"] for r in mine),
                 "tokens_per_round": statistics.median(r["tokens_per_round"] for r in mine),
             }
+            if all("steps" in r for r in mine):
+                for key in ("steps", "rounds_per_step", "rows_per_step"):
+                    row[mode][key] = statistics.median(r[key] for r in mine)
         if "off" in row and "on" in row:
             row["on_over_off"] = row["on"]["tokens_per_s"] / row["off"]["tokens_per_s"]
             row["on_over_off_steady"] = row["on"]["steady_tokens_per_s"] / row["off"]["steady_tokens_per_s"]
@@ -231,8 +268,8 @@ def markdown(report: dict) -> str:
              f"{report['config']['requests_per_client']} requests per client, medians of "
              f"{report['config']['repeats']} alternating runs.", "",
              "| clients | mode | tokens/s | steady tokens/s | ITL p50 ms | ITL p99 ms | TTFT p50 ms | TTFT p99 ms | α "
-             "| drafts/round |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| drafts/round | target steps | rounds/step | rows/step |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for clients, row in report["summary"].items():
         for mode in ("off", "on", "unbatched-off", "paged-off", "paged-on"):
             if mode in row:
@@ -240,7 +277,9 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {clients} | {mode} | {m['tokens_per_s']:.1f} | {m['steady_tokens_per_s']:.1f} | "
                              f"{m['itl_p50_ms']:.0f} | "
                              f"{m['itl_p99_ms']:.0f} | {m['ttft_p50_ms']:.0f} | {m['ttft_p99_ms']:.0f} | "
-                             f"{m['acceptance_rate']:.2f} | {m['draft_tokens_per_round']:.2f} |")
+                             f"{m['acceptance_rate']:.2f} | {m['draft_tokens_per_round']:.2f} | "
+                             + (f"{m['steps']:.0f} | {m['rounds_per_step']:.1f} | {m['rows_per_step']:.1f} |"
+                                if "steps" in m else "| | |"))
     if report.get("worker_loop"):
         lines += ["", "The target worker's own loop (`--worker-loop`: its Verifier in one process, B sessions "
                   "one token each per step):", "", "| sessions | ms per step | tokens/s | over 1 session |",
@@ -664,11 +703,18 @@ def main(argv: list[str] | None = None) -> int:
     # and start their requests at once.
     streams = ["--max-streams-per-client", str(max(16, max(concurrencies))), "--rate-limit", "0",
                *shlex.split(args.up_args)]
-    up = SpecdecUp(args.target, args.draft, args.k, args.threads, loop, extra_args=streams)
-    unbatched = SpecdecUp(args.target, args.draft, args.k, args.threads, loop,
-                          extra_args=streams + ["--no-batching"]) if args.unbatched else None
-    paged = SpecdecUp(args.target, args.draft, args.k, args.threads, loop,
-                      extra_args=streams + ["--kv-cache", "paged"]) if args.paged else None
+    metrics_urls: dict[int, str] = {}
+
+    def start(extra: list[str]) -> SpecdecUp:
+        port = free_port()
+        server = SpecdecUp(args.target, args.draft, args.k, args.threads, loop,
+                           extra_args=streams + extra + ["--metrics-port", str(port)])
+        metrics_urls[id(server)] = f"http://127.0.0.1:{port}/metrics"
+        return server
+
+    up = start([])
+    unbatched = start(["--no-batching"]) if args.unbatched else None
+    paged = start(["--kv-cache", "paged"]) if args.paged else None
     runs: list[dict] = []
     try:
         # Warm-up: model pages, oneDNN kernels, the coordinator's cost model.
@@ -685,13 +731,16 @@ def main(argv: list[str] | None = None) -> int:
                 if unbatched is not None:
                     order.append(("unbatched-off", unbatched, False))
                 for mode, server, speculate in order:
+                    before = worker_steps(metrics_urls[id(server)])
                     run = loop.run_until_complete(one_run(server.client, clients, args.requests_per_client,
                                                           args.max_new_tokens, args.k, speculate))
+                    run.update(step_figures(before, worker_steps(metrics_urls[id(server)])))
                     run["mode"] = mode
                     runs.append(run)
                     print(f"{clients:>3} clients {mode:>13}: {run['tokens_per_s']:6.1f} tok/s "
                           f"(steady {run['steady_tokens_per_s']:.1f}), ITL p50 {run['itl_p50_ms']:.0f} ms, TTFT p50 {run['ttft_p50_ms']:.0f} ms, "
-                          f"α {run['acceptance_rate']:.2f}", file=sys.stderr, flush=True)
+                          f"α {run['acceptance_rate']:.2f}, {run['steps']} steps of {run['rows_per_step']:.0f} rows",
+                          file=sys.stderr, flush=True)
     finally:
         up.close()
         for other in (unbatched, paged):
