@@ -10,6 +10,7 @@ measured side by side in one run (this machine is shared and noisy).
     python benchmarks/load.py --clients 16 --up-args="--min-alt-prob 1"  # more `specdec up` flags
     python benchmarks/load.py --http                # the APIs side by side: gRPC, HTTP (openai SDK), HTTP (aiperf)
     python benchmarks/load.py --worker-loop         # also the target worker's own loop at each concurrency
+    python benchmarks/load.py --baseline /tmp/base  # also another checkout's `specdec up` (before/after)
 
 One `specdec up` process (coordinator, target and draft workers, mTLS links, exactly as users
 run it, with the drafter `specdec up` picks for the target unless --draft names one) serves
@@ -40,6 +41,12 @@ only added rows to them.
 --unbatched and --paged start a second `specdec up` (`--no-batching`, `--kv-cache paged`)
 whose runs join the same alternation (modes "unbatched-off", "paged-off" and "paged-on"), so
 their ratios to the first process's runs come from one run.
+
+--baseline DIR starts a second `specdec up` from another checkout of this repository (a
+worktree of the commit before a change) whose runs join the same alternation as modes
+"base-off" and "base-on": a change's effect on both modes, and on the ratio, from one run
+of this noisy machine instead of two (`on_over_base_on` and `base_on_over_off` in the
+summary).
 
 --worker-loop also runs, after the services' runs, the target worker's own code in this
 process (benchmarks/round_cost.py's worker loop: its Verifier, B sessions one token each per
@@ -215,6 +222,13 @@ def summarise(runs: list[dict], concurrencies: list[int], modes: list[str]) -> d
         if "off" in row and "on" in row:
             row["on_over_off"] = row["on"]["tokens_per_s"] / row["off"]["tokens_per_s"]
             row["on_over_off_steady"] = row["on"]["steady_tokens_per_s"] / row["off"]["steady_tokens_per_s"]
+        if "base-off" in row and "base-on" in row:
+            row["base_on_over_off"] = row["base-on"]["tokens_per_s"] / row["base-off"]["tokens_per_s"]
+            row["base_on_over_off_steady"] = \
+                row["base-on"]["steady_tokens_per_s"] / row["base-off"]["steady_tokens_per_s"]
+        for mode in ("off", "on"):
+            if mode in row and f"base-{mode}" in row:
+                row[f"{mode}_over_base_{mode}"] = row[mode]["tokens_per_s"] / row[f"base-{mode}"]["tokens_per_s"]
         for mode in ("off", "on"):
             if mode in row and f"paged-{mode}" in row:
                 row[f"paged_over_buffered_{mode}"] = row[f"paged-{mode}"]["tokens_per_s"] / row[mode]["tokens_per_s"]
@@ -271,7 +285,7 @@ def markdown(report: dict) -> str:
              "| drafts/round | target steps | rounds/step | rows/step |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for clients, row in report["summary"].items():
-        for mode in ("off", "on", "unbatched-off", "paged-off", "paged-on"):
+        for mode in ("off", "on", "base-off", "base-on", "unbatched-off", "paged-off", "paged-on"):
             if mode in row:
                 m = row[mode]
                 lines.append(f"| {clients} | {mode} | {m['tokens_per_s']:.1f} | {m['steady_tokens_per_s']:.1f} | "
@@ -288,6 +302,14 @@ def markdown(report: dict) -> str:
         for sessions, row in report["worker_loop"].items():
             scale = f"{row['tokens_per_s'] / one:.2f}" if one else ""
             lines.append(f"| {sessions} | {row['ms_per_round']:.1f} | {row['tokens_per_s']:.1f} | {scale} |")
+    baseline = [(clients, row) for clients, row in report["summary"].items() if "base_on_over_off" in row]
+    if baseline:
+        lines += ["", f"Against the baseline (`--baseline {report['config'].get('baseline')}`, run in the same "
+                  "alternation):", "", "| clients | on / off | baseline on / off | on / baseline on | "
+                  "off / baseline off | steady on / off | steady, baseline |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"| {clients} | {row['on_over_off']:.3f} | {row['base_on_over_off']:.3f} | "
+                  f"{row['on_over_base_on']:.3f} | {row['off_over_base_off']:.3f} | {row['on_over_off_steady']:.3f} | "
+                  f"{row['base_on_over_off_steady']:.3f} |" for clients, row in baseline]
     lines += ["", "| target | value | met |", "| --- | --- | --- |"]
     lines += [f"| {t['target']} | {t['value']} | {'yes' if t['met'] else 'NO'} |" for t in report["targets"]]
     lines += ["", f"Outputs identical to speculation off in every run: {report['identical']}."]
@@ -671,6 +693,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="also measure speculation off on `specdec up --no-batching` (no continuous batching)")
     parser.add_argument("--paged", action="store_true",
                         help="also measure on `specdec up --kv-cache paged` (against the buffered caches)")
+    parser.add_argument("--baseline", default=None, metavar="DIR",
+                        help="also measure `specdec up` run from this other checkout (before/after a change)")
     parser.add_argument("--name", default="load", help="report file name under --out (NAME.json, NAME.md)")
     parser.add_argument("--up-args", default="", help="more `specdec up` arguments for every server, one string")
     parser.add_argument("--quick", action="store_true", help="1 and 4 clients, one repeat")
@@ -705,27 +729,30 @@ def main(argv: list[str] | None = None) -> int:
                *shlex.split(args.up_args)]
     metrics_urls: dict[int, str] = {}
 
-    def start(extra: list[str]) -> SpecdecUp:
+    def start(extra: list[str], cwd: str | None = None) -> SpecdecUp:
         port = free_port()
         server = SpecdecUp(args.target, args.draft, args.k, args.threads, loop,
-                           extra_args=streams + extra + ["--metrics-port", str(port)])
+                           extra_args=streams + extra + ["--metrics-port", str(port)], cwd=cwd)
         metrics_urls[id(server)] = f"http://127.0.0.1:{port}/metrics"
         return server
 
     up = start([])
     unbatched = start(["--no-batching"]) if args.unbatched else None
     paged = start(["--kv-cache", "paged"]) if args.paged else None
+    base = start([], cwd=args.baseline) if args.baseline else None
     runs: list[dict] = []
     try:
         # Warm-up: model pages, oneDNN kernels, the coordinator's cost model.
-        loop.run_until_complete(one_run(up.client, 2, 1, 16, args.k, True))
-        if paged is not None:
-            loop.run_until_complete(one_run(paged.client, 2, 1, 16, args.k, True))
+        for server in (up, paged, base):
+            if server is not None:
+                loop.run_until_complete(one_run(server.client, 2, 1, 16, args.k, True))
         for clients in concurrencies:
             for repeat in range(repeats):
                 order = [("off", up, False), ("on", up, True)]
                 if paged is not None:
                     order += [("paged-off", paged, False), ("paged-on", paged, True)]
+                if base is not None:
+                    order += [("base-off", base, False), ("base-on", base, True)]
                 if repeat % 2:
                     order.reverse()
                 if unbatched is not None:
@@ -743,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
                           file=sys.stderr, flush=True)
     finally:
         up.close()
-        for other in (unbatched, paged):
+        for other in (unbatched, paged, base):
             if other is not None:
                 other.close()
     # A key is (client, request) and always names the same prompt: every run, at every
@@ -764,14 +791,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{clients:>3} sessions   worker loop: {worker_loop[str(clients)]['tokens_per_s']:6.1f} tok/s "
                   f"({worker_loop[str(clients)]['ms_per_round']:.1f} ms per step)", file=sys.stderr, flush=True)
     modes = ["off", "on"] + (["unbatched-off"] if unbatched is not None else []) + \
-        (["paged-off", "paged-on"] if paged is not None else [])
+        (["paged-off", "paged-on"] if paged is not None else []) + (["base-off", "base-on"] if base is not None else [])
     summary = summarise(runs, concurrencies, modes)
     report = {
         "command": "python benchmarks/load.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": describe(args.threads),
         "config": {"target": args.target, "draft": args.draft, "k": args.k, "clients": concurrencies,
                    "requests_per_client": args.requests_per_client, "max_new_tokens": args.max_new_tokens,
-                   "repeats": repeats, "up_args": args.up_args},
+                   "repeats": repeats, "up_args": args.up_args, "baseline": args.baseline},
         "summary": summary,
         "targets": targets(summary, concurrencies) + worker_targets(worker_loop),
         "worker_loop": worker_loop,

@@ -30,9 +30,10 @@ class SpecdecUp:
     """One `specdec up` process serving a target and a drafter ('ngram' or a model)."""
 
     def __init__(self, target: str, draft: str, k: int, threads: int, loop: asyncio.AbstractEventLoop,
-                 extra_args: list[str] | None = None, http_port: int = 0):
+                 extra_args: list[str] | None = None, http_port: int = 0, cwd: str | None = None):
         """http_port: serve the OpenAI-compatible HTTP API there too (its base URL in
-        self.http_url); 0: no HTTP API."""
+        self.http_url); 0: no HTTP API. cwd: run it from that source tree (another checkout
+        of this repository: its packages are imported, not this one's)."""
         self.draft = draft
         self.k = k
         self.loop = loop
@@ -41,7 +42,8 @@ class SpecdecUp:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
         command = [sys.executable, "-m", "specdec", "up", "--port", "0", "--http-port", str(http_port),
                    "--target", target, "--draft", draft, "--k", str(k), *(extra_args or [])]
-        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        cwd=cwd)
         self._stderr: list[str] = []
         threading.Thread(target=self._drain_stderr, daemon=True).start()
         self.address = self._wait_listening()
