@@ -30,6 +30,14 @@ runs the sessions still drafting, with one host read per depth.
 With each draft the head hands out it keeps its alternatives (second choices at some depths,
 specdec.eagle.policy); the next round's verification scores them as tree leaves when
 its draft tokens are that draft or a prefix of it (target_worker.verify).
+
+Copies (an n-gram lookup the drafter proposes instead of its chain) are priced here, where
+the verdicts are seen: the copy found for a session's context, drafted or not, is judged
+against what the next round commits (`observe`, each step before drafting), into the
+session's CopyRecord and the replica's, which a new session starts from; a copy is cut where
+its record's chance of being right falls below the round's price (`_copy`). Judging copies
+that were not drafted keeps the record honest when the price has stopped them: a session
+whose copies would be right gets them back.
 """
 
 from __future__ import annotations
@@ -41,7 +49,8 @@ import torch
 
 from specdec import eagle
 from specdec.eagle.batched import BatchedDrafter, HeadStorage
-from specdec.eagle.policy import MIN_ALT_PROB, MIN_CHAIN_PROB, EagleDrafter, Features
+from specdec.eagle.policy import COPY_RECORD_DECAY, MIN_ALT_PROB, MIN_CHAIN_PROB, CopyRecord, EagleDrafter, Features
+from specdec.ngram import DEFAULT_MAX_NGRAM, lookup
 from specdec.errors import InvalidArgument
 from specdec.runtime.memory import storage_bytes
 from specdec.sessions import Resync, Session, SyncedContext, common_prefix_len
@@ -62,6 +71,11 @@ class HeadState:
     # verification scores as tree leaves when its draft tokens are (a prefix of) that draft.
     drafted: tuple[int, ...] = ()
     alternatives: tuple[tuple[int, int], ...] = ()
+    # The copy (an n-gram lookup) found for the context of length `candidate_at`, drafted
+    # or not, and how far this session's copies are accepted (InlineHead.observe).
+    candidate: tuple[int, ...] = ()
+    candidate_at: int = -1
+    copies: CopyRecord | None = None
 
     @property
     def rows(self) -> torch.Tensor:
@@ -89,6 +103,7 @@ class InlineHead:
         self.feature_size = drafter.feature_size  # what record() takes per position
         self.bytes_per_token = drafter.bytes_per_token + 2 * drafter.feature_size
         self.batched: BatchedDrafter | None = None  # once `serve` gave the head its storage
+        self.copies = CopyRecord(decay=COPY_RECORD_DECAY)  # every session's copies: a new one starts here
 
     def serve(self, storage: HeadStorage) -> None:
         """Where the sessions' head caches live (specdec.eagle.batched): a paged pool beside a
@@ -156,14 +171,18 @@ class InlineHead:
             synced.append(SyncedContext(state.session, contexts[i], common_prefix_len(state.session.ids, contexts[i])))
             features.append(Features.from_rows(state.start, state.rows))
         floors = [min_probs[i] if min_probs is not None else 0.0 for i in asked]
-        results = self.propose(synced, [ks[i] for i in asked], features, floors)
-        for i, result in zip(asked, results):
+        copied = [self._copy(sessions[i], contexts[i], ks[i], floor) for i, floor in zip(asked, floors)]
+        # A session with a copy still feeds the head its new positions (k = 0): it is ready
+        # for the next round.
+        results = self.propose(synced, [0 if copy else ks[i] for i, copy in zip(asked, copied)], features, floors,
+                               copies=False)
+        for i, result, copy in zip(asked, results, copied):
             session, context = sessions[i], contexts[i]
             if isinstance(result, Resync):
                 self.forget(session)
                 continue
             state = session.head
-            chain, alternatives = result
+            chain, alternatives = (copy, []) if copy else result
             state.drafted, state.alternatives = tuple(chain), tuple(alternatives)
             # The head now holds every position before the last; next time it needs features
             # from len(context) - 1 on at the earliest.
@@ -173,9 +192,45 @@ class InlineHead:
         return drafts
 
     def propose(self, synced: list[SyncedContext], ks: list[int], features: list[Features],
-                min_probs: list[float] | None = None) -> list[tuple[list[int], list[tuple[int, int]]] | Resync]:
+                min_probs: list[float] | None = None,
+                copies: bool = True) -> list[tuple[list[int], list[tuple[int, int]]] | Resync]:
         """The batched drafter's chains and alternatives (a seam tests wrap)."""
-        return self.batched.propose_tree(synced, ks, features, min_probs)
+        return self.batched.propose_tree(synced, ks, features, min_probs, copies)
+
+    def _copy(self, session: Session, context: list[int], k: int, floor: float) -> list[int]:
+        """The copy (specdec.eagle.policy: copying first) `session` drafts instead of the
+        head's chain, cut where its record puts the chance of the whole copy being right below
+        `floor`; [] for none (the chain is drafted, cut by the head's own probabilities)."""
+        lookup_ngram, state = self.drafter.lookup_ngram, session.head
+        state.candidate, state.candidate_at = (), -1
+        if not lookup_ngram or floor >= 1:
+            return []
+        copy = lookup(context, k, max(DEFAULT_MAX_NGRAM, lookup_ngram), lookup_ngram)
+        if not copy:
+            return []
+        state.candidate, state.candidate_at = tuple(copy), len(context)
+        if state.copies is None:
+            state.copies = CopyRecord(self.copies)
+        return copy[:state.copies.reach(floor, len(copy))]
+
+    def observe(self, session: Session, context_len: int, committed: list[int]) -> None:
+        """`session`'s round on its context of `context_len` tokens committed `committed`. The
+        copy found for that context, drafted or not, is judged against them — so copies
+        priced out are still measured, and come back when they would pay: tokens the round
+        did not reach stay unjudged."""
+        state = session.head
+        if state is None or not state.candidate:
+            return
+        candidate, at = state.candidate, state.candidate_at
+        state.candidate, state.candidate_at = (), -1
+        if at != context_len:
+            return
+        right = common_prefix_len(list(candidate), committed)
+        proposed = len(candidate) if right < len(committed) else right
+        if state.copies is None:
+            state.copies = CopyRecord(self.copies)
+        state.copies.observe(proposed, right)
+        self.copies.observe(proposed, right)
 
     @staticmethod
     def alternatives(session: Session, drafts: list[int]) -> list[tuple[int, int]]:

@@ -31,8 +31,8 @@ def per_session(head: InlineHead, hook) -> None:
     session's part of every batch and returns what that session gets instead."""
     original = head.propose
 
-    def propose(synced, ks, features, min_probs=None):
-        results = original(synced, ks, features, min_probs)
+    def propose(synced, ks, features, min_probs=None, copies=True):
+        results = original(synced, ks, features, min_probs, copies)
         return [hook(s, k, f, r) for s, k, f, r in zip(synced, ks, features, results)]
 
     head.propose = propose
@@ -353,3 +353,75 @@ def test_recorded_features_are_the_target_rows_in_order_whatever_the_steps():
     assert torch.equal(state.rows[26:], torch.cat([again[1:], rows[28:30]]))
     head.record(session, 35, rows[35:36])  # a gap: the head cannot be fed past it
     assert session.head is None
+
+
+def test_a_copy_record_cuts_copies_at_the_price_of_a_row():
+    """CopyRecord: per depth, the share of copies that reached it whose token there was
+    accepted; a copy is cut where the product falls below the floor, never at floor 0."""
+    from specdec.eagle.policy import COPY_PRIOR_RATE, CopyRecord
+
+    record = CopyRecord()
+    assert record.rate(0) == record.rate(5) == COPY_PRIOR_RATE
+    assert record.reach(0.0, 4) == 4
+    assert record.reach(COPY_PRIOR_RATE ** 2, 4) == 2  # 0.6 · 0.6 still pays, 0.6³ does not
+    for _ in range(30):
+        record.observe(4, 0)  # rejected at depth 0: deeper depths were never tried
+    assert record.rate(0) < 0.05 and record.rate(1) == COPY_PRIOR_RATE
+    assert record.reach(0.1, 4) == 0 and record.reach(0.0, 4) == 4
+    for _ in range(30):
+        record.observe(3, 3)  # all three right
+    assert record.rate(0) > 0.9 and record.rate(2) > 0.9 and record.rate(3) == COPY_PRIOR_RATE
+    assert record.reach(0.7, 4) == 3  # the untried fourth depth: the prior rate
+    session = CopyRecord(record)  # a new session starts from its replica's rates
+    assert session.rates() == pytest.approx(record.rates())
+    session.observe(1, 0)
+    assert session.rate(0) < record.rate(0)  # and weighs its own verdicts more
+
+
+def test_copies_are_priced_by_how_far_they_are_accepted(target):
+    """On the target worker the head drafts a copy (a repeated n-gram's continuation) cut by
+    its record at the round's price: at price 0 the whole copy, as before; once copies are
+    found wrong at their first token, none under a price — while the copy found for each
+    context is still judged against what the round commits, so copies that would have been
+    right come back."""
+    from specdec.ngram import lookup
+    from specdec.runtime.load import serving_lm
+    from target_worker.head import load_inline_head
+    from target_worker.verify import Round
+
+    lm = serving_lm(target)
+    head = load_inline_head(None, target, make_head(target), min_chain_prob=0.0)
+    verifier = Verifier(lm, SessionStore(16, 1 << 30, lm.bytes_per_token), 4, head)
+    # A prompt after which the target's next token repeats a bigram: a copy is found.
+    sequence = [5, 6, 7, 8, 9]
+    for _ in range(80):  # the target alone, greedy
+        sequence.append(verifier.verify("greedy", 0, sequence, []).next_token)
+    end = next(i for i in range(6, len(sequence)) if any(sequence[j - 1:j + 1] == sequence[i - 1:i + 1]
+                                                         for j in range(1, i - 1)))
+    prompt = sequence[:end]
+
+    def first_round(session_id: str, price: float):
+        verdict = verifier.verify_batch([Round(session_id, 0, prompt, [], draft_next=4,
+                                               min_draft_prob=price)]).results[0]
+        copy = lookup(prompt + [verdict.next_token], 4, 3, head.drafter.lookup_ngram)
+        return verdict, copy
+
+    verdict, copy = first_round("free", 0.0)
+    assert copy and list(verdict.next_drafts) == copy  # price 0: the copy, whole
+    for _ in range(40):  # the replica has seen copies fail at their first token
+        head.copies.observe(4, 0)
+    verdict, copy = first_round("priced", 0.3)
+    assert copy and list(verdict.next_drafts[:len(copy)]) != copy  # not the copy: the head's chain
+    state = verifier.store.get("priced").head
+    assert state.candidate == tuple(copy)  # still judged when the next round commits
+    tried = state.copies.tries[0]
+    context = prompt + [verdict.next_token]
+    follow = verifier.verify_batch([Round("priced", len(prompt), [verdict.next_token], list(verdict.next_drafts),
+                                          draft_next=4, min_draft_prob=0.3)]).results[0]
+    assert state.copies.tries[0] > tried  # judged against the committed tokens though never drafted
+    assert follow.cached_len >= len(context)
+    # Copies the session finds right from then on bring its copies back under the price.
+    for _ in range(10):
+        state.candidate, state.candidate_at = (1, 2, 3), 50
+        head.observe(verifier.store.get("priced"), 50, [1, 2, 3, 4])
+    assert state.copies.reach(0.3, 3) == 3

@@ -114,13 +114,15 @@ class BatchedDrafter:
     @torch.inference_mode()
     def propose_tree(self, synced: Sequence[SyncedContext], ks: Sequence[int],
                      features: Sequence[Features], min_probs: Sequence[float] | None = None,
-                     ) -> list[tuple[list[int], list[tuple[int, int]]] | Resync]:
+                     copies: bool = True) -> list[tuple[list[int], list[tuple[int, int]]] | Resync]:
         """Per session, its chain and alternatives (EagleDrafter.propose_tree), or Resync from
         the first position whose features are missing — or from 0 when the pool had no room
         for it (its head state must then be dropped). `min_probs`: per session, a floor on
         both cuts (a chain token or an alternative is proposed only where the head's
         probability that it is right is at least this; 0: the drafter's cuts only; 1 or
-        more: no draft, copies included)."""
+        more: no draft, copies included). `copies`: False when the caller copies itself
+        (target_worker.head, which prices copies by their record): every session asking for
+        tokens gets the head's chain."""
         results: list = [None] * len(synced)
         ready: list[int] = []
         fed_rows: list[torch.Tensor] = []
@@ -146,10 +148,11 @@ class BatchedDrafter:
         floors = min_probs if min_probs is not None else [0.0] * len(synced)
         drafting: list[int] = []  # indices into `ready`
         for j, (i, k) in enumerate(zip(ready, limits)):
-            # A copy's chance is not known: it is taken as likely, so only a floor no token
-            # can reach (1 or more) stops it.
+            # Here a copy's chance is not known: it is taken as likely, so only a floor no
+            # token can reach (1 or more) stops it.
+            wanted = copies and self.drafter.lookup_ngram and k > 0 and floors[i] < 1
             copied = lookup(synced[i].context, k, max(DEFAULT_MAX_NGRAM, self.drafter.lookup_ngram),
-                            self.drafter.lookup_ngram) if self.drafter.lookup_ngram and k > 0 and floors[i] < 1 else []
+                            self.drafter.lookup_ngram) if wanted else []
             if copied or k == 0:
                 results[i] = (copied, [])
             else:

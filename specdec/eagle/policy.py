@@ -18,6 +18,10 @@ open-ended answers predicts copied spans (summaries, rewrites, extraction, code 
 worse than a lookup does, and the lookup costs nothing; Snowflake's Arctic Inference pairs
 suffix decoding with a model speculator the same way (a match wins, the model otherwise).
 The head still takes in every committed token, so it is ready for the next round.
+A copy carries no probability of its own; where the verdicts are seen (the head on the
+target worker, target_worker.head) each copy found is judged against what the next round
+commits, drafted or not, and a copy is cut at the price of a draft row by its measured
+chance of being right (CopyRecord), as the chain is by the head's.
 
 Stopping early: the chain ends where the head's own probability that the whole chain so far
 is right (the product of its top-token probabilities over the draft vocabulary) falls below
@@ -78,12 +82,65 @@ class Features:
 
 # Shortest repeated n-gram whose continuation is proposed instead of the head's (0: never).
 LOOKUP_NGRAM = 2
+# A copy's chance of being accepted at each depth (CopyRecord): the prior rate a replica's
+# record starts from, as if COPY_PRIOR_TRIALS copies had reached every depth; a session's
+# record starts from its replica's rates with that weight. Memory: a session's record
+# decays by COPY_DECAY per copy it judges (~10 copies), a replica's by COPY_RECORD_DECAY
+# (~50 copies over all its sessions).
+COPY_PRIOR_RATE = 0.6
+COPY_PRIOR_TRIALS = 2.0
+COPY_DECAY = 0.9
+COPY_RECORD_DECAY = 0.98
 # The chain stops before a token that would bring the head's probability of the whole chain
 # being right below this (0: always draft k).
 MIN_CHAIN_PROB = 0.15
 # An alternative (second-choice) token is proposed where the head's probability that it is
 # right is at least this (1 or more: never).
 MIN_ALT_PROB = 0.05
+
+
+class CopyRecord:
+    """How far copies (n-gram lookups, which carry no probability of their own) are accepted:
+    per depth d, the decayed share of the copies that reached depth d (their first d tokens
+    accepted) whose token d was accepted too. Their running product is a copy's chance of
+    being right up to a depth, the quantity the head's chain is cut by, so a copy is held to
+    the same price (`reach`). Judged by the target's verdicts (`observe`): a record is kept
+    where they are seen, on the target worker beside its head (target_worker.head)."""
+
+    def __init__(self, prior: CopyRecord | None = None, decay: float = COPY_DECAY):
+        self.decay = decay
+        rates = prior.rates() if prior is not None else []
+        self.hits = [rate * COPY_PRIOR_TRIALS for rate in rates]
+        self.tries = [COPY_PRIOR_TRIALS] * len(rates)
+
+    def rate(self, depth: int) -> float:
+        """The chance that a copy's token at `depth` is accepted once the ones before it were."""
+        if depth >= len(self.tries):
+            return COPY_PRIOR_RATE
+        return self.hits[depth] / self.tries[depth]
+
+    def rates(self) -> list[float]:
+        return [self.rate(depth) for depth in range(len(self.tries))]
+
+    def observe(self, proposed: int, accepted: int) -> None:
+        """A copy of `proposed` tokens of which the target accepted the first `accepted`: every
+        depth up to the first rejected one was tried."""
+        for depth in range(min(proposed, accepted + 1)):
+            while depth >= len(self.tries):
+                self.hits.append(COPY_PRIOR_RATE * COPY_PRIOR_TRIALS)
+                self.tries.append(COPY_PRIOR_TRIALS)
+            self.hits[depth] = self.decay * self.hits[depth] + (1.0 if depth < accepted else 0.0)
+            self.tries[depth] = self.decay * self.tries[depth] + 1.0
+
+    def reach(self, floor: float, k: int) -> int:
+        """How many tokens of a copy to propose, at most k: the longest prefix whose chance of
+        being right in full is at least `floor` (the price of a draft row; 0: all k)."""
+        chance = 1.0
+        for depth in range(k):
+            chance *= self.rate(depth)
+            if chance < floor:
+                return depth
+        return k
 
 
 class EagleDrafter:
