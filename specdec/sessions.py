@@ -71,6 +71,18 @@ class SyncedContext:
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
+    if isinstance(a, list) and isinstance(b, list):
+        # Compared in C: a session's whole context is compared every step it drafts.
+        if a[:n] == b[:n]:
+            return n
+        low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
+        while high - low > 1:
+            middle = (low + high) // 2
+            if a[low:middle] == b[low:middle]:
+                low = middle
+            else:
+                high = middle
+        return low
     i = 0
     while i < n and a[i] == b[i]:
         i += 1

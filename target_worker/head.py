@@ -35,7 +35,9 @@ Copies (an n-gram lookup the drafter proposes instead of its chain) are priced h
 the verdicts are seen: the copy found for a session's context, drafted or not, is judged
 against what the next round commits (`observe`, each step before drafting), into the
 session's CopyRecord and the replica's, which a new session starts from; a copy is cut where
-its record's chance of being right falls below the round's price (`_copy`). Judging copies
+its record's chance of being right falls below the round's price (`_copy`). Copies are found
+through the session's n-gram index (specdec.ngram.NgramIndex), which takes in only the
+tokens committed since, not by a scan of the context each step. Judging copies
 that were not drafted keeps the record honest when the price has stopped them: a session
 whose copies would be right gets them back.
 """
@@ -50,7 +52,7 @@ import torch
 from specdec import eagle
 from specdec.eagle.batched import BatchedDrafter, HeadStorage
 from specdec.eagle.policy import COPY_RECORD_DECAY, MIN_ALT_PROB, MIN_CHAIN_PROB, CopyRecord, EagleDrafter, Features
-from specdec.ngram import DEFAULT_MAX_NGRAM, lookup
+from specdec.ngram import DEFAULT_MAX_NGRAM, NgramIndex
 from specdec.errors import InvalidArgument
 from specdec.runtime.memory import storage_bytes
 from specdec.sessions import Resync, Session, SyncedContext, common_prefix_len
@@ -76,6 +78,7 @@ class HeadState:
     candidate: tuple[int, ...] = ()
     candidate_at: int = -1
     copies: CopyRecord | None = None
+    index: NgramIndex | None = None  # the committed context's n-grams, for the copies
 
     @property
     def rows(self) -> torch.Tensor:
@@ -147,7 +150,8 @@ class InlineHead:
             return 0
         cache = state.session.cache
         kv = self.batched.storage.held_bytes(cache) if cache is not None and self.batched is not None else 0
-        return kv + storage_bytes(tuple(state.pieces))
+        index = state.index.held_bytes() if state.index is not None else 0
+        return kv + storage_bytes(tuple(state.pieces)) + index
 
     def draft(self, session: Session, context: list[int], k: int) -> list[int]:
         """Up to k draft tokens continuing `context` (the committed sequence, its last token
@@ -205,7 +209,10 @@ class InlineHead:
         state.candidate, state.candidate_at = (), -1
         if not lookup_ngram or floor >= 1:
             return []
-        copy = lookup(context, k, max(DEFAULT_MAX_NGRAM, lookup_ngram), lookup_ngram)
+        if state.index is None:
+            state.index = NgramIndex(max(DEFAULT_MAX_NGRAM, lookup_ngram), lookup_ngram)
+        state.index.sync(context)
+        copy = state.index.lookup(k)
         if not copy:
             return []
         state.candidate, state.candidate_at = tuple(copy), len(context)

@@ -16,7 +16,7 @@ from specdec.client import Client, make_request
 from specdec.runtime.cpu import KV_BLOCK_TOKENS, BufferedLayer
 from specdec.runtime.load import serving_lm
 from specdec.runtime.paged import PagedSession
-from specdec.sessions import Session, SessionStore
+from specdec.sessions import Session, SessionStore, SyncedContext
 from target_worker.head import load_inline_head
 from target_worker.verify import Round, Verifier
 from tests.factories import TEST_DEVICE, make_tiny_model, make_tiny_tokenizer
@@ -80,7 +80,8 @@ def head_truth(session: Session, inline=None) -> int:
         kv = len(cache.block_table) * 2 * keys[0, 0].numel() * keys.element_size()
     elif cache is not None:
         kv = storage_of(cache)  # a buffered head cache's tensors
-    return kv + storage_of(head.rows)
+    index = head.index.held_bytes() if head.index is not None else 0  # its copies' n-grams (an estimate)
+    return kv + storage_of(head.rows) + index
 
 
 def truth(session: Session, inline=None) -> int:
@@ -247,9 +248,12 @@ def test_a_float16_targets_head_keeps_only_its_own_features(tokenizer):
     assert verifier.store.cache_bytes() == store_truth(verifier.store, prompts, inline)
 
 
-def test_an_ngram_session_holds_its_ids():
+def test_an_ngram_session_holds_its_ids_and_its_index():
     session = Session("s", ids=list(range(40)))
     assert NgramDrafter.held_bytes(session) == 40 * ID_BYTES
+    drafter = NgramDrafter()
+    drafter.propose(SyncedContext(session, list(range(40)), 40), 4)
+    assert NgramDrafter.held_bytes(session) == 40 * ID_BYTES + session.cache.held_bytes() > 40 * ID_BYTES
 
 
 SHORT_PROMPTS = [f"{word} number {i}." for i, word in enumerate(

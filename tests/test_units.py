@@ -7,9 +7,9 @@ import random
 import pytest
 
 from coordinator.detokenizer import IncrementalDetokenizer, StopMatcher, text_decoder
-from specdec.ngram import lookup
+from specdec.ngram import NgramIndex, lookup
 from specdec.errors import InvalidArgument
-from specdec.sessions import Resync, SessionStore, SyncedContext
+from specdec.sessions import Resync, SessionStore, SyncedContext, common_prefix_len
 from tests.factories import make_tiny_tokenizer
 
 
@@ -84,6 +84,44 @@ class TestNgramLookup:
 
     def test_short_followers_are_cut_to_what_exists(self):
         assert lookup([5, 6, 5], k=4) == [6, 5]
+
+    def test_the_index_gives_what_the_scan_gives_as_the_sequence_grows_and_rolls_back(self):
+        rng = random.Random(0)
+        for _ in range(200):
+            vocab, max_ngram = rng.choice([2, 3, 5, 50]), rng.randint(1, 4)
+            min_ngram = rng.randint(1, max_ngram)
+            sequence = [rng.randrange(vocab) for _ in range(rng.randrange(1, 80))]
+            index, length = NgramIndex(max_ngram, min_ngram), 1
+            while length <= len(sequence):
+                if rng.random() < 0.1:  # a rollback: the next context does not continue the last
+                    sequence[length - 1] = rng.randrange(vocab)
+                index.sync(sequence[:length])
+                for k in (1, 3):
+                    assert index.lookup(k) == lookup(sequence[:length], k, max_ngram, min_ngram)
+                length += rng.randint(1, 4)
+
+    def test_the_index_estimates_what_it_holds(self):
+        import tracemalloc
+
+        rng = random.Random(1)
+        ids = [rng.randrange(49152) for _ in range(4000)]  # few repeats: an entry per n-gram
+        tracemalloc.start()
+        try:
+            index = NgramIndex(3, 2)
+            index.sync(ids)
+            held, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert 0.67 * held <= index.held_bytes() <= 1.5 * held
+
+
+def test_common_prefix_len_compares_lists_and_other_sequences_alike():
+    rng = random.Random(2)
+    for _ in range(500):
+        a = [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        b = a[:rng.randrange(0, len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        expected = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix_len(a, b) == common_prefix_len(tuple(a), b) == expected
 
 
 @pytest.fixture(scope="module")

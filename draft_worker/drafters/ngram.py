@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from specdec.models import weights_fingerprint
-from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, lookup
+from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramIndex
 from specdec.sessions import Session, SyncedContext
 
 # What a session holds per context token: one Python int in its ids, roughly.
@@ -32,15 +32,19 @@ class NgramDrafter:
 
     @staticmethod
     def held_bytes(session: Session) -> int:
-        """No tensors: only the session's ids."""
-        return len(session.ids) * ID_BYTES
+        """No tensors: the session's ids and its n-gram index."""
+        index = session.cache.held_bytes() if isinstance(session.cache, NgramIndex) else 0
+        return len(session.ids) * ID_BYTES + index
 
     def propose(self, synced: SyncedContext, k: int) -> list[int]:
         session = synced.session
         # The session's ids are its "cache": the committed context, kept so that steady
-        # rounds only send what is new.
+        # rounds only send what is new. Its n-gram index takes in only what is new too.
         session.ids = list(synced.context)
-        return lookup(session.ids, k, self.max_ngram, self.min_ngram)
+        if not isinstance(session.cache, NgramIndex):
+            session.cache = NgramIndex(self.max_ngram, self.min_ngram)
+        session.cache.sync(session.ids)
+        return session.cache.lookup(k)
 
     def propose_batch(self, synced: list[SyncedContext], ks: list[int]) -> list[list[int]]:
         # A lookup per session: no model, nothing to batch.
