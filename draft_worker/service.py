@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from draft_worker.drafters.model import ModelDrafter
-from draft_worker.drafters.ngram import ID_BYTES, NgramDrafter
+from draft_worker.drafters.ngram import NgramDrafter
 from draft_worker.propose import Proposer, Request
 from specdec import eagle, logs, metrics
 from specdec.config import WorkerConfig
@@ -17,6 +17,7 @@ from specdec.eagle.batched import BatchedEagleDrafter
 from specdec.eagle.policy import EagleDrafter
 from specdec.errors import FailedPrecondition, InvalidArgument
 from specdec.models import NGRAM, load_model, load_tokenizer, vocab_hash, weights_dtype
+from specdec.ngram import ngram_bytes_per_token
 from specdec.runtime.load import paged_pool_bytes, serving_lm
 from specdec.runtime.precision import serving_dtype
 from specdec.serving import (
@@ -111,7 +112,7 @@ def build_servicer(config: WorkerConfig, model=None, tokenizer=None) -> DraftWor
     if config.model == NGRAM and model is None:
         drafter = NgramDrafter()
         info = common_pb2.WorkerInfo(model=NGRAM, fingerprint=drafter.fingerprint)
-        bytes_per_token = ID_BYTES
+        bytes_per_token = ngram_bytes_per_token(drafter.max_ngram, drafter.min_ngram)
     elif isinstance(model, eagle.EagleHead) or (model is None and is_eagle_dir(config.model)):
         def load_head():
             # A head reads the target's embeddings: loading it loads them (by its config's

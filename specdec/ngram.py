@@ -73,4 +73,9 @@ class NgramIndex:
 
     def held_bytes(self) -> int:
         """About what the index holds: its ids and, per n-gram size, a tuple and a dict entry per token."""
-        return len(self.ids) * (ID_BYTES + NGRAM_ENTRY_BYTES * (self.max_ngram - self.min_ngram + 1))
+        return len(self.ids) * (ngram_bytes_per_token(self.max_ngram, self.min_ngram) - ID_BYTES)
+
+
+def ngram_bytes_per_token(max_ngram: int, min_ngram: int) -> int:
+    """What an n-gram session holds per context token, about: its ids and its index's."""
+    return 2 * ID_BYTES + NGRAM_ENTRY_BYTES * (max_ngram - min_ngram + 1)

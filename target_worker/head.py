@@ -212,7 +212,7 @@ class InlineHead:
         if state.index is None:
             state.index = NgramIndex(max(DEFAULT_MAX_NGRAM, lookup_ngram), lookup_ngram)
         state.index.sync(context)
-        copy = state.index.lookup(k)
+        copy = state.index.lookup(max(0, min(k, self.drafter.max_context - len(context))))
         if not copy:
             return []
         state.candidate, state.candidate_at = tuple(copy), len(context)

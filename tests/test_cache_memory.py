@@ -11,11 +11,12 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from draft_worker.drafters.ngram import ID_BYTES, NgramDrafter
+from draft_worker.drafters.ngram import NgramDrafter
 from specdec.client import Client, make_request
 from specdec.runtime.cpu import KV_BLOCK_TOKENS, BufferedLayer
 from specdec.runtime.load import serving_lm
 from specdec.runtime.paged import PagedSession
+from specdec.ngram import ID_BYTES
 from specdec.sessions import Session, SessionStore, SyncedContext
 from target_worker.head import load_inline_head
 from target_worker.verify import Round, Verifier

@@ -6,11 +6,8 @@ from __future__ import annotations
 import torch
 
 from specdec.models import weights_fingerprint
-from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, NgramIndex
+from specdec.ngram import DEFAULT_MAX_NGRAM, DEFAULT_MIN_NGRAM, ID_BYTES, NgramIndex
 from specdec.sessions import Session, SyncedContext
-
-# What a session holds per context token: one Python int in its ids, roughly.
-ID_BYTES = 8
 
 
 class NgramDrafter:
