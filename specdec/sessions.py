@@ -40,6 +40,8 @@ class Session:
     # On a target worker that runs a draft head: the head's state for this session
     # (target_worker.head.HeadState), dropped with the session.
     head: Any = None
+    # A feature-level head's copies of this session (specdec.eagle.policy.Copier).
+    copying: Any = None
     # A feature-level head's cache (specdec.eagle.batched): how many leading entries were
     # fed the target's true features (the rest, its own predictions, are rolled back).
     trusted: int = 0

@@ -31,15 +31,10 @@ With each draft the head hands out it keeps its alternatives (second choices at 
 specdec.eagle.policy); the next round's verification scores them as tree leaves when
 its draft tokens are that draft or a prefix of it (target_worker.verify).
 
-Copies (an n-gram lookup the drafter proposes instead of its chain) are priced here, where
-the verdicts are seen: the copy found for a session's context, drafted or not, is judged
-against what the next round commits (`observe`, each step before drafting), into the
-session's CopyRecord and the replica's, which a new session starts from; a copy is cut where
-its record's chance of being right falls below the round's price (`_copy`). Copies are found
-through the session's n-gram index (specdec.ngram.NgramIndex), which takes in only the
-tokens committed since, not by a scan of the context each step. Judging copies
-that were not drafted keeps the record honest when the price has stopped them: a session
-whose copies would be right gets them back.
+A copy (an n-gram lookup the drafter proposes instead of its chain) is cut at the round's
+price by how far the session's copies are accepted, judged at each ask against what the
+context committed since (specdec.eagle.policy.Copier); its n-gram index is the session's
+state too (`held_bytes`).
 """
 
 from __future__ import annotations
@@ -51,8 +46,7 @@ import torch
 
 from specdec import eagle
 from specdec.eagle.batched import BatchedDrafter, HeadStorage
-from specdec.eagle.policy import COPY_RECORD_DECAY, MIN_ALT_PROB, MIN_CHAIN_PROB, CopyRecord, EagleDrafter, Features
-from specdec.ngram import DEFAULT_MAX_NGRAM, NgramIndex
+from specdec.eagle.policy import MIN_ALT_PROB, MIN_CHAIN_PROB, EagleDrafter, Features
 from specdec.errors import InvalidArgument
 from specdec.runtime.memory import storage_bytes
 from specdec.sessions import Resync, Session, SyncedContext, common_prefix_len
@@ -73,12 +67,6 @@ class HeadState:
     # verification scores as tree leaves when its draft tokens are (a prefix of) that draft.
     drafted: tuple[int, ...] = ()
     alternatives: tuple[tuple[int, int], ...] = ()
-    # The copy (an n-gram lookup) found for the context of length `candidate_at`, drafted
-    # or not, and how far this session's copies are accepted (InlineHead.observe).
-    candidate: tuple[int, ...] = ()
-    candidate_at: int = -1
-    copies: CopyRecord | None = None
-    index: NgramIndex | None = None  # the committed context's n-grams, for the copies
 
     @property
     def rows(self) -> torch.Tensor:
@@ -106,7 +94,6 @@ class InlineHead:
         self.feature_size = drafter.feature_size  # what record() takes per position
         self.bytes_per_token = drafter.bytes_per_token + 2 * drafter.feature_size
         self.batched: BatchedDrafter | None = None  # once `serve` gave the head its storage
-        self.copies = CopyRecord(decay=COPY_RECORD_DECAY)  # every session's copies: a new one starts here
 
     def serve(self, storage: HeadStorage) -> None:
         """Where the sessions' head caches live (specdec.eagle.batched): a paged pool beside a
@@ -150,8 +137,8 @@ class InlineHead:
             return 0
         cache = state.session.cache
         kv = self.batched.storage.held_bytes(cache) if cache is not None and self.batched is not None else 0
-        index = state.index.held_bytes() if state.index is not None else 0
-        return kv + storage_bytes(tuple(state.pieces)) + index
+        copying = state.session.copying.held_bytes() if state.session.copying is not None else 0
+        return kv + storage_bytes(tuple(state.pieces)) + copying
 
     def draft(self, session: Session, context: list[int], k: int) -> list[int]:
         """Up to k draft tokens continuing `context` (the committed sequence, its last token
@@ -175,18 +162,14 @@ class InlineHead:
             synced.append(SyncedContext(state.session, contexts[i], common_prefix_len(state.session.ids, contexts[i])))
             features.append(Features.from_rows(state.start, state.rows))
         floors = [min_probs[i] if min_probs is not None else 0.0 for i in asked]
-        copied = [self._copy(sessions[i], contexts[i], ks[i], floor) for i, floor in zip(asked, floors)]
-        # A session with a copy still feeds the head its new positions (k = 0): it is ready
-        # for the next round.
-        results = self.propose(synced, [0 if copy else ks[i] for i, copy in zip(asked, copied)], features, floors,
-                               copies=False)
-        for i, result, copy in zip(asked, results, copied):
+        results = self.propose(synced, [ks[i] for i in asked], features, floors)
+        for i, result in zip(asked, results):
             session, context = sessions[i], contexts[i]
             if isinstance(result, Resync):
                 self.forget(session)
                 continue
             state = session.head
-            chain, alternatives = (copy, []) if copy else result
+            chain, alternatives = result
             state.drafted, state.alternatives = tuple(chain), tuple(alternatives)
             # The head now holds every position before the last; next time it needs features
             # from len(context) - 1 on at the earliest.
@@ -196,48 +179,9 @@ class InlineHead:
         return drafts
 
     def propose(self, synced: list[SyncedContext], ks: list[int], features: list[Features],
-                min_probs: list[float] | None = None,
-                copies: bool = True) -> list[tuple[list[int], list[tuple[int, int]]] | Resync]:
+                min_probs: list[float] | None = None) -> list[tuple[list[int], list[tuple[int, int]]] | Resync]:
         """The batched drafter's chains and alternatives (a seam tests wrap)."""
-        return self.batched.propose_tree(synced, ks, features, min_probs, copies)
-
-    def _copy(self, session: Session, context: list[int], k: int, floor: float) -> list[int]:
-        """The copy (specdec.eagle.policy: copying first) `session` drafts instead of the
-        head's chain, cut where its record puts the chance of the whole copy being right below
-        `floor`; [] for none (the chain is drafted, cut by the head's own probabilities)."""
-        lookup_ngram, state = self.drafter.lookup_ngram, session.head
-        state.candidate, state.candidate_at = (), -1
-        if not lookup_ngram or floor >= 1:
-            return []
-        if state.index is None:
-            state.index = NgramIndex(max(DEFAULT_MAX_NGRAM, lookup_ngram), lookup_ngram)
-        state.index.sync(context)
-        copy = state.index.lookup(max(0, min(k, self.drafter.max_context - len(context))))
-        if not copy:
-            return []
-        state.candidate, state.candidate_at = tuple(copy), len(context)
-        if state.copies is None:
-            state.copies = CopyRecord(self.copies)
-        return copy[:state.copies.reach(floor, len(copy))]
-
-    def observe(self, session: Session, context_len: int, committed: list[int]) -> None:
-        """`session`'s round on its context of `context_len` tokens committed `committed`. The
-        copy found for that context, drafted or not, is judged against them — so copies
-        priced out are still measured, and come back when they would pay: tokens the round
-        did not reach stay unjudged."""
-        state = session.head
-        if state is None or not state.candidate:
-            return
-        candidate, at = state.candidate, state.candidate_at
-        state.candidate, state.candidate_at = (), -1
-        if at != context_len:
-            return
-        right = common_prefix_len(list(candidate), committed)
-        proposed = len(candidate) if right < len(committed) else right
-        if state.copies is None:
-            state.copies = CopyRecord(self.copies)
-        state.copies.observe(proposed, right)
-        self.copies.observe(proposed, right)
+        return self.batched.propose_tree(synced, ks, features, min_probs)
 
     @staticmethod
     def alternatives(session: Session, drafts: list[int]) -> list[tuple[int, int]]:

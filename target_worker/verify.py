@@ -359,9 +359,6 @@ class Verifier:
         one, all drafted together after this round's committed tokens."""
         if self.head is None:
             return [()] * len(blocks)
-        for block, verdict in zip(blocks, verdicts):  # how far the copies the head found were right
-            self.head.observe(block.session, block.context_len,
-                              block.round.drafts[:verdict.accepted] + [verdict.next_token] + list(verdict.extra))
         asked = [i for i, block in enumerate(blocks) if block.round.draft_next]
         contexts = []
         for i in asked:

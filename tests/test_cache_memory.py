@@ -81,8 +81,8 @@ def head_truth(session: Session, inline=None) -> int:
         kv = len(cache.block_table) * 2 * keys[0, 0].numel() * keys.element_size()
     elif cache is not None:
         kv = storage_of(cache)  # a buffered head cache's tensors
-    index = head.index.held_bytes() if head.index is not None else 0  # its copies' n-grams (an estimate)
-    return kv + storage_of(head.rows) + index
+    copying = head.session.copying  # its copies' n-gram index (an estimate)
+    return kv + storage_of(head.rows) + (copying.held_bytes() if copying is not None else 0)
 
 
 def truth(session: Session, inline=None) -> int:

@@ -31,8 +31,8 @@ def per_session(head: InlineHead, hook) -> None:
     session's part of every batch and returns what that session gets instead."""
     original = head.propose
 
-    def propose(synced, ks, features, min_probs=None, copies=True):
-        results = original(synced, ks, features, min_probs, copies)
+    def propose(synced, ks, features, min_probs=None):
+        results = original(synced, ks, features, min_probs)
         return [hook(s, k, f, r) for s, k, f, r in zip(synced, ks, features, results)]
 
     head.propose = propose
@@ -382,8 +382,9 @@ def test_copies_are_priced_by_how_far_they_are_accepted(target):
     """On the target worker the head drafts a copy (a repeated n-gram's continuation) cut by
     its record at the round's price: at price 0 the whole copy, as before; once copies are
     found wrong at their first token, none under a price — while the copy found for each
-    context is still judged against what the round commits, so copies that would have been
-    right come back."""
+    context is still judged against what the context commits next, so copies that would
+    have been right come back."""
+    from specdec.eagle.policy import Copier, CopyRecord
     from specdec.ngram import lookup
     from specdec.runtime.load import serving_lm
     from target_worker.head import load_inline_head
@@ -409,19 +410,28 @@ def test_copies_are_priced_by_how_far_they_are_accepted(target):
     verdict, copy = first_round("free", 0.0)
     assert copy and list(verdict.next_drafts) == copy  # price 0: the copy, whole
     for _ in range(40):  # the replica has seen copies fail at their first token
-        head.copies.observe(4, 0)
+        head.drafter.copies.observe(4, 0)
     verdict, copy = first_round("priced", 0.3)
     assert copy and list(verdict.next_drafts[:len(copy)]) != copy  # not the copy: the head's chain
-    state = verifier.store.get("priced").head
-    assert state.candidate == tuple(copy)  # still judged when the next round commits
-    tried = state.copies.tries[0]
+    copier = verifier.store.get("priced").head.session.copying
+    assert copier.candidate == tuple(copy)  # still judged when the context goes on
+    tried = copier.record.tries[0]
     context = prompt + [verdict.next_token]
     follow = verifier.verify_batch([Round("priced", len(prompt), [verdict.next_token], list(verdict.next_drafts),
                                           draft_next=4, min_draft_prob=0.3)]).results[0]
-    assert state.copies.tries[0] > tried  # judged against the committed tokens though never drafted
+    assert copier.record.tries[0] > tried  # judged against the committed tokens though never drafted
     assert follow.cached_len >= len(context)
-    # Copies the session finds right from then on bring its copies back under the price.
-    for _ in range(10):
-        state.candidate, state.candidate_at = (1, 2, 3), 50
-        head.observe(verifier.store.get("priced"), 50, [1, 2, 3, 4])
-    assert state.copies.reach(0.3, 3) == 3
+
+    # Copies a session finds right bring its copies back under the price.
+    record = CopyRecord()
+    for _ in range(40):
+        record.observe(4, 0)
+    copier = Copier(2, record)
+    text = [1, 2, 3, 4, 9]
+    assert copier.copy(text + [1, 2], 3, 0.3) == []  # [3, 4, 9] found, priced out
+    for _ in range(12):  # the context goes on as the copies said: each is judged right
+        text = text + [1, 2, 3, 4, 9]
+        assert copier.candidate == (3, 4, 9)
+        copier.copy(text + [1, 2], 3, 0.3)
+    assert copier.copy(text + [1, 2, 3, 4, 9, 1, 2], 3, 0.3) == [3, 4, 9]
+    assert copier.record.rate(0) > record.rate(0)  # the replica's record learns too, from where it was

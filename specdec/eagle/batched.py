@@ -35,7 +35,6 @@ import torch
 
 from specdec.eagle.head import EagleHead, HeadCache
 from specdec.eagle.policy import EagleDrafter, Features
-from specdec.ngram import DEFAULT_MAX_NGRAM, lookup
 from specdec.runtime.paged import PoolExhausted
 from specdec.sessions import Resync, Session, SyncedContext
 
@@ -114,15 +113,13 @@ class BatchedDrafter:
     @torch.inference_mode()
     def propose_tree(self, synced: Sequence[SyncedContext], ks: Sequence[int],
                      features: Sequence[Features], min_probs: Sequence[float] | None = None,
-                     copies: bool = True) -> list[tuple[list[int], list[tuple[int, int]]] | Resync]:
+                     ) -> list[tuple[list[int], list[tuple[int, int]]] | Resync]:
         """Per session, its chain and alternatives (EagleDrafter.propose_tree), or Resync from
         the first position whose features are missing — or from 0 when the pool had no room
         for it (its head state must then be dropped). `min_probs`: per session, a floor on
         both cuts (a chain token or an alternative is proposed only where the head's
         probability that it is right is at least this; 0: the drafter's cuts only; 1 or
-        more: no draft, copies included). `copies`: False when the caller copies itself
-        (target_worker.head, which prices copies by their record): every session asking for
-        tokens gets the head's chain."""
+        more: no draft, copies included; a copy is cut at the floor by its record: Copier)."""
         results: list = [None] * len(synced)
         ready: list[int] = []
         fed_rows: list[torch.Tensor] = []
@@ -148,11 +145,8 @@ class BatchedDrafter:
         floors = min_probs if min_probs is not None else [0.0] * len(synced)
         drafting: list[int] = []  # indices into `ready`
         for j, (i, k) in enumerate(zip(ready, limits)):
-            # Here a copy's chance is not known: it is taken as likely, so only a floor no
-            # token can reach (1 or more) stops it.
-            wanted = copies and self.drafter.lookup_ngram and k > 0 and floors[i] < 1
-            copied = lookup(synced[i].context, k, max(DEFAULT_MAX_NGRAM, self.drafter.lookup_ngram),
-                            self.drafter.lookup_ngram) if wanted else []
+            wanted = self.drafter.lookup_ngram and k > 0 and floors[i] < 1
+            copied = self.drafter.copier(sessions[j]).copy(synced[i].context, k, floors[i]) if wanted else []
             if copied or k == 0:
                 results[i] = (copied, [])
             else:
@@ -273,7 +267,8 @@ class BatchedEagleDrafter:
         self.batched = BatchedDrafter(drafter, storage or BufferedHead(drafter.head))
 
     def held_bytes(self, session: Session) -> int:
-        return 0 if session.cache is None else self.batched.storage.held_bytes(session.cache)
+        copying = session.copying.held_bytes() if session.copying is not None else 0
+        return copying + (0 if session.cache is None else self.batched.storage.held_bytes(session.cache))
 
     def propose_batch(self, synced: list[SyncedContext], ks: list[int],
                       features: list[Features | None] | None = None,

@@ -18,10 +18,9 @@ open-ended answers predicts copied spans (summaries, rewrites, extraction, code 
 worse than a lookup does, and the lookup costs nothing; Snowflake's Arctic Inference pairs
 suffix decoding with a model speculator the same way (a match wins, the model otherwise).
 The head still takes in every committed token, so it is ready for the next round.
-A copy carries no probability of its own; where the verdicts are seen (the head on the
-target worker, target_worker.head) each copy found is judged against what the next round
-commits, drafted or not, and a copy is cut at the price of a draft row by its measured
-chance of being right (CopyRecord), as the chain is by the head's.
+A copy carries no probability of its own: each copy found is judged against what the
+context commits after it, drafted or not, and a copy is cut at the price of a draft row by
+its measured chance of being right (Copier, CopyRecord), as the chain is by the head's.
 
 Stopping early: the chain ends where the head's own probability that the whole chain so far
 is right (the product of its top-token probabilities over the draft vocabulary) falls below
@@ -49,8 +48,8 @@ import torch
 
 from specdec.eagle.head import EagleHead
 from specdec.errors import InvalidArgument
-from specdec.ngram import DEFAULT_MAX_NGRAM, lookup
-from specdec.sessions import Resync, Session, SyncedContext
+from specdec.ngram import DEFAULT_MAX_NGRAM, NgramIndex
+from specdec.sessions import Resync, Session, SyncedContext, common_prefix_len
 
 
 class Features:
@@ -104,8 +103,7 @@ class CopyRecord:
     per depth d, the decayed share of the copies that reached depth d (their first d tokens
     accepted) whose token d was accepted too. Their running product is a copy's chance of
     being right up to a depth, the quantity the head's chain is cut by, so a copy is held to
-    the same price (`reach`). Judged by the target's verdicts (`observe`): a record is kept
-    where they are seen, on the target worker beside its head (target_worker.head)."""
+    the same price (`reach`). Fed by each session's Copier."""
 
     def __init__(self, prior: CopyRecord | None = None, decay: float = COPY_DECAY):
         self.decay = decay
@@ -143,6 +141,48 @@ class CopyRecord:
         return k
 
 
+class Copier:
+    """A session's copies (copying first, above): its n-gram index (specdec.ngram.NgramIndex,
+    which takes in only the tokens committed since it last looked), the copy it found last
+    (for the context of length `at`) and how far its copies are accepted (its CopyRecord,
+    started from the drafter's record of every session, `replica`). Each ask first judges the
+    copy found last against what the context has committed since — drafted or not, so copies
+    the price stopped are still measured and come back when they would be right — then finds
+    the next one and cuts it where the record's chance of the whole copy being right falls
+    below the floor (the price of a draft row)."""
+
+    def __init__(self, lookup_ngram: int, replica: CopyRecord):
+        self.index = NgramIndex(max(DEFAULT_MAX_NGRAM, lookup_ngram), lookup_ngram)
+        self.record = CopyRecord(replica)
+        self.replica = replica
+        self.candidate: tuple[int, ...] = ()
+        self.at = -1
+
+    def copy(self, context: list[int], k: int, floor: float) -> list[int]:
+        """Up to k tokens copied for `context`, cut at `floor`; [] for none."""
+        self._judge(context)
+        self.index.sync(context)
+        found = self.index.lookup(k)
+        self.candidate, self.at = tuple(found), len(context)
+        return found[:self.record.reach(floor, len(found))]
+
+    def _judge(self, context: list[int]) -> None:
+        candidate, at = self.candidate, self.at
+        self.candidate, self.at = (), -1
+        # The index covers the context the copy was found for (`at` tokens): the context
+        # must still start with it.
+        if not candidate or len(context) <= at or len(self.index.ids) != at or self.index.ids != context[:at]:
+            return
+        committed = context[at:at + len(candidate) + 1]
+        right = common_prefix_len(list(candidate), committed)
+        proposed = len(candidate) if right < len(committed) else right  # past the committed: unknown
+        self.record.observe(proposed, right)
+        self.replica.observe(proposed, right)
+
+    def held_bytes(self) -> int:
+        return self.index.held_bytes()
+
+
 class EagleDrafter:
     def __init__(self, name: str, head: EagleHead, lookup_ngram: int = LOOKUP_NGRAM,
                  min_chain_prob: float = MIN_CHAIN_PROB, min_alt_prob: float = MIN_ALT_PROB):
@@ -157,14 +197,22 @@ class EagleDrafter:
         self.bytes_per_token = 2 * config.num_kv_heads * config.head_dim * element
         self.vocab_size = int(head.embed.shape[0])
         self.max_context = config.max_position_embeddings
+        self.copies = CopyRecord(decay=COPY_RECORD_DECAY)  # every session's copies: a new one starts here
+
+    def copier(self, session: Session) -> Copier:
+        """`session`'s copies (made at its first ask)."""
+        if session.copying is None:
+            session.copying = Copier(self.lookup_ngram, self.copies)
+        return session.copying
 
     def propose(self, synced: SyncedContext, k: int, features: Features | None = None) -> list[int] | Resync:
         return self.propose_batch([synced], [k], [features])[0]
 
     @staticmethod
     def held_bytes(session: Session) -> int:
-        """The bytes `session`'s head cache keeps allocated (specdec.eagle.HeadCache)."""
-        return 0 if session.cache is None else session.cache.held_bytes()
+        """The bytes `session`'s head cache keeps allocated (specdec.eagle.HeadCache), and its copies' index."""
+        copying = session.copying.held_bytes() if session.copying is not None else 0
+        return copying + (0 if session.cache is None else session.cache.held_bytes())
 
     @torch.inference_mode()
     def propose_batch(self, synced: list[SyncedContext], ks: list[int],
@@ -214,7 +262,7 @@ class EagleDrafter:
         session.ids.extend(fed)
         cache.trusted = len(context)
         if self.lookup_ngram and k > 0 and floor < 1:
-            copied = lookup(context, k, max(DEFAULT_MAX_NGRAM, self.lookup_ngram), self.lookup_ngram)
+            copied = self.copier(session).copy(context, k, floor)
             if copied:
                 return copied
         proposal: list[int] = []
