@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from specdec.runtime import attention_threads
 from specdec.runtime.memory import storage_bytes
 from specdec.runtime.precision import fp32_logits
 
@@ -278,16 +279,19 @@ class EagleHead(torch.nn.Module):
                         torch.tensor([ids], device=device))  # [1, T, H]
         q, k, v = self.qkv(x, torch.tensor(positions, device=device))  # [1, Hq, T, d]; [1, Hkv, T, d]
         parts, offset = [], 0
-        for cache, fed in zip(caches, tokens):
-            n, start = len(fed), cache.length
-            keys, values = cache.append(k[0, :, offset:offset + n], v[0, :, offset:offset + n])  # [kv_heads, L, d]
-            mask = None
-            if n > 1:
-                mask = torch.arange(start + n, device=device)[None, :] <= \
-                    torch.arange(start, start + n, device=device)[:, None]  # [n, L]
-            parts.append(F.scaled_dot_product_attention(q[:, :, offset:offset + n], keys[None], values[None],
-                                                        attn_mask=mask, enable_gqa=True))
-            offset += n
+        lengths = [len(fed) for fed in tokens]
+        with attention_threads.batched_step(self.config.num_heads, self.config.head_dim, lengths,
+                                            [cache.length + n for cache, n in zip(caches, lengths)]):
+            for cache, n in zip(caches, lengths):
+                start = cache.length
+                keys, values = cache.append(k[0, :, offset:offset + n], v[0, :, offset:offset + n])  # [kv_heads, L, d]
+                mask = None
+                if n > 1:
+                    mask = torch.arange(start + n, device=device)[None, :] <= \
+                        torch.arange(start, start + n, device=device)[:, None]  # [n, L]
+                parts.append(attention_threads.sdpa(q[:, :, offset:offset + n], keys[None], values[None],
+                                                    attn_mask=mask, enable_gqa=True))
+                offset += n
         attended = parts[0] if len(parts) == 1 else torch.cat(parts, 2)  # [1, Hq, T, d]
         return self.finish(x, attended)[0]
 

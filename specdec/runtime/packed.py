@@ -32,8 +32,8 @@ import contextvars
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
+from specdec.runtime import attention_threads
 from specdec.runtime.compat import cache_kwarg, full_attention_only
 from specdec.runtime.tree import tree_mask, tree_positions
 
@@ -132,8 +132,8 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, scaling: floa
     outputs = []
     for (keys, values), offset, n, mask in zip(parts, batch.offsets, batch.lengths, batch.masks):
         q = query[:, :, offset:offset + n]  # [1, heads, n, d]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scaling,
-                                             enable_gqa=q.shape[1] != keys.shape[1])  # [1, heads, n, d]
+        out = attention_threads.sdpa(q, keys, values, attn_mask=mask, scale=scaling,
+                                     enable_gqa=q.shape[1] != keys.shape[1])  # [1, heads, n, d]
         outputs.append(out)
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()  # [1, T, heads, d]
 
@@ -169,11 +169,15 @@ def packed_forward(model: torch.nn.Module, caches: list, token_lists: list[list[
                         dtype=torch.long, device=device)
     # A ready 4D mask makes transformers skip building one; packed_attention masks per session.
     placeholder_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+    config = model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     token = _ACTIVE.set(batch)
     try:
-        out = model(input_ids=input_ids, use_cache=True, position_ids=batch.position_ids(device),
-                    attention_mask=placeholder_mask, logits_to_keep=rows,
-                    **{cache_kwarg(model): PackedCache(batch)})
+        with attention_threads.batched_step(heads, head_dim, lengths, [p + n for p, n in zip(batch.past, lengths)]):
+            out = model(input_ids=input_ids, use_cache=True, position_ids=batch.position_ids(device),
+                        attention_mask=placeholder_mask, logits_to_keep=rows,
+                        **{cache_kwarg(model): PackedCache(batch)})
     finally:
         _ACTIVE.reset(token)
     logits = out.logits[0].float()  # [Σ keep, V]
