@@ -6,6 +6,8 @@ is always given back."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -165,7 +167,7 @@ def test_a_call_outside_a_step_runs_on_the_pool_and_one_thread_is_left_alone():
     try:
         torch.set_num_threads(2)
         chooser.sdpa(q, k, v, enable_gqa=True)  # no step: the pool, nothing counted
-        assert chooser._calls == 0
+        assert chooser._step.calls == 0
         torch.set_num_threads(1)
         chooser.step(1e5)
         chooser.sdpa(q, k, v, enable_gqa=True)  # one thread: nothing to choose, nothing timed
@@ -173,6 +175,29 @@ def test_a_call_outside_a_step_runs_on_the_pool_and_one_thread_is_left_alone():
     finally:
         torch.set_num_threads(threads)
     assert all(cls.before is None and cls.other is None for cls in chooser.classes)
+
+
+def test_steps_on_two_threads_are_kept_apart(two_threads):
+    chooser = AttentionThreads(clock=Clock())
+    chooser.step(6 * 40 * 16)
+    mine = chooser.current
+    seen = []
+
+    def other_model_thread() -> None:
+        seen.append(chooser.current)  # no step of its own yet
+        chooser.step(6 * 4000 * 16)
+        chooser.sdpa(*qkv(keys=4000), enable_gqa=True)
+        chooser.end_step()
+
+    thread = threading.Thread(target=other_model_thread)
+    thread.start()
+    thread.join()
+    assert seen == [None] and chooser.current == mine
+    chooser.sdpa(*qkv(), enable_gqa=True)
+    chooser.end_step()
+    assert chooser.current is None
+    assert chooser.classes[chooser.work_class(6 * 40 * 16)].before is not None
+    assert chooser.classes[chooser.work_class(6 * 4000 * 16)].before is not None
 
 
 class Forced(AttentionThreads):

@@ -30,16 +30,18 @@ thread count, so the same sums are added in another order (differences of ~1e-7 
 a test bounds them and checks the argmax of a packed step is the same in both modes). Only
 CPU tensors are affected; with one intra-op thread there is nothing to choose.
 
-The thread count is process-wide in torch, so a call run on one thread lowers it for the
-call's duration (restored after, also on an error). A worker runs its models on one thread
-(specdec.serving.ModelThread); a torch op another thread ran meanwhile would run on one
-thread too, no less correctly.
+The record is the process's (the choice is the machine's, per amount of work); the step in
+progress is the calling thread's (`StepState`). The thread count is process-wide in torch,
+so a call run on one thread lowers it for the call's duration (restored after, also on an
+error). A worker runs its models on one thread (specdec.serving.ModelThread); a torch op
+another thread ran meanwhile would run on one thread too, which moves its rounding only.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,6 +75,16 @@ class WorkClass:
     other: float | None = None  # seconds per call of its explored step, awaiting the step after
 
 
+class StepState(threading.local):
+    """The step in progress on the calling thread: its (class, mode), when it began, its
+    attention calls so far. Per thread, so that two models stepping on two threads of one
+    process (a target and a draft model in one test process) keep their steps apart."""
+
+    current: tuple[int, int] | None = None
+    began: float = 0.0
+    calls: int = 0
+
+
 class AttentionThreads:
     """The per-class record and choice. A batched step announces itself (`step`) with the
     mean work of its calls, which sets one mode for all of them; `end_step` times it (the
@@ -83,10 +95,16 @@ class AttentionThreads:
     def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.clock = clock
         self.classes = [WorkClass() for _ in range(MAX_CLASS - MIN_CLASS + 1)]
-        # The step in progress: its class, its mode, when it began, its attention calls.
-        self.current: tuple[int, int] | None = None
-        self._began = 0.0
-        self._calls = 0
+        self._step = StepState()
+
+    @property
+    def current(self) -> tuple[int, int] | None:
+        """(class, mode) of the calling thread's step in progress, if any."""
+        return self._step.current
+
+    @current.setter
+    def current(self, value: tuple[int, int] | None) -> None:
+        self._step.current = value
 
     @staticmethod
     def work_class(work: float) -> int:
@@ -102,19 +120,19 @@ class AttentionThreads:
         doubt = cls.pairs < MIN_PAIRS or cls.last < 1 - MARGIN
         period = EARLY_PERIOD if doubt else EXPLORE_PERIOD
         explore = cls.steps % period == 0 and cls.before is not None and cls.other is None
-        self.current = (index, 1 - cls.mode if explore else cls.mode)
-        self._calls = 0
-        self._began = self.clock()
+        state = self._step
+        state.current = (index, 1 - cls.mode if explore else cls.mode)
+        state.calls = 0
+        state.began = self.clock()
 
     def end_step(self) -> None:
         """The step is over: its time per attention call goes into its class's record."""
-        if self.current is None:
+        state = self._step
+        if state.current is None:
             return
-        index, mode = self.current
-        self.current = None
-        if not self._calls:
-            return
-        self.record(index, mode, (self.clock() - self._began) / self._calls)
+        (index, mode), state.current = state.current, None
+        if state.calls:
+            self.record(index, mode, (self.clock() - state.began) / state.calls)
 
     def record(self, index: int, mode: int, seconds: float) -> None:
         """A step of class `index` ran in `mode`, `seconds` per attention call."""
@@ -142,11 +160,12 @@ class AttentionThreads:
     def sdpa(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs) -> torch.Tensor:
         """F.scaled_dot_product_attention(query, key, value, **kwargs), on one thread or the
         pool as the step in progress runs."""
+        state = self._step
         threads = torch.get_num_threads()
-        if self.current is None or threads <= 1 or query.device.type != "cpu":
+        if state.current is None or threads <= 1 or query.device.type != "cpu":
             return F.scaled_dot_product_attention(query, key, value, **kwargs)
-        self._calls += 1
-        if self.current[1] != SERIAL:
+        state.calls += 1
+        if state.current[1] != SERIAL:
             return F.scaled_dot_product_attention(query, key, value, **kwargs)
         torch.set_num_threads(1)
         try:
