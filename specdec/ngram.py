@@ -46,14 +46,17 @@ class NgramIndex:
         self.ids: list[int] = []
         self._ends: dict[tuple[int, ...], int] = {}
 
-    def sync(self, context: list[int]) -> None:
+    def sync(self, context: list[int]) -> bool:
         """Makes the index cover `context`: the tokens past what it covers are taken in; where
-        the context does not continue them (a rollback or a resync, rare) it is rebuilt."""
+        the context does not continue them (a rollback or a resync, rare) it is rebuilt.
+        Returns whether the context continued them."""
         covered = len(self.ids)
-        if covered > len(context) or self.ids != context[:covered]:
+        continued = covered <= len(context) and self.ids == context[:covered]
+        if not continued:
             self.ids, self._ends, covered = [], {}, 0
         for token in context[covered:]:
             self._append(token)
+        return continued
 
     def _append(self, token: int) -> None:
         ids = self.ids

@@ -46,7 +46,7 @@ import torch
 
 from specdec import eagle
 from specdec.eagle.batched import BatchedDrafter, HeadStorage
-from specdec.eagle.policy import MIN_ALT_PROB, MIN_CHAIN_PROB, EagleDrafter, Features
+from specdec.eagle.policy import MIN_ALT_PROB, MIN_CHAIN_PROB, EagleDrafter, Features, copying_bytes
 from specdec.errors import InvalidArgument
 from specdec.runtime.memory import storage_bytes
 from specdec.sessions import Resync, Session, SyncedContext, common_prefix_len
@@ -137,8 +137,7 @@ class InlineHead:
             return 0
         cache = state.session.cache
         kv = self.batched.storage.held_bytes(cache) if cache is not None and self.batched is not None else 0
-        copying = state.session.copying.held_bytes() if state.session.copying is not None else 0
-        return kv + storage_bytes(tuple(state.pieces)) + copying
+        return kv + storage_bytes(tuple(state.pieces)) + copying_bytes(state.session)
 
     def draft(self, session: Session, context: list[int], k: int) -> list[int]:
         """Up to k draft tokens continuing `context` (the committed sequence, its last token

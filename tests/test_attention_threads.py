@@ -17,6 +17,7 @@ from specdec.runtime.attention_threads import (
     EARLY_PERIOD, EXPLORE_PERIOD, MARGIN, MIN_PAIRS, POOL, SERIAL, AttentionThreads, batched_step,
 )
 from specdec.runtime.load import serving_lm
+from specdec.runtime.paged import KVShape
 from tests.factories import TEST_DEVICE
 from tests.test_batching import fresh_sessions, tokens
 from tests.test_services import target, tokenizer  # noqa: F401 (fixtures)
@@ -48,7 +49,7 @@ def run_step(chooser: AttentionThreads, cost: dict[int, float], calls: int = 4, 
     """One step of `calls` decode calls, each taking cost[mode] seconds on the chooser's
     clock (the whole step's time, as the step would take it); returns the step's mode."""
     q, k, v = qkv(keys=keys)
-    chooser.step(q.shape[1] * q.shape[2] * keys * q.shape[3])
+    chooser.step(k.shape[1] * q.shape[2] * keys * q.shape[3])  # KV heads × queries × keys × head dim
     mode = chooser.current[1]
     for _ in range(calls):
         assert torch.get_num_threads() == 2
@@ -93,25 +94,25 @@ def test_a_class_takes_one_thread_once_it_measures_faster_beside_the_pool(two_th
     later = steps(chooser, cost, EARLY_PERIOD * MIN_PAIRS + 2 * EXPLORE_PERIOD)
     assert MIN_PAIRS + 1 <= later.count(POOL) <= MIN_PAIRS + 3
     assert later[-EXPLORE_PERIOD:].count(POOL) == 1
-    assert chooser.classes[chooser.work_class(6 * 40 * 16)].mode == SERIAL
+    assert chooser.classes[chooser.work_class(2 * 40 * 16)].mode == SERIAL
     # Another class (a long context) where the pool is faster keeps the pool, with its own record.
     long_cost = {SERIAL: 9e-4, POOL: 3e-4}
     long_steps = steps(chooser, long_cost, 4 * EXPLORE_PERIOD, keys=4000)
     assert long_steps.count(SERIAL) <= MIN_PAIRS + 4
-    assert chooser.classes[chooser.work_class(6 * 4000 * 16)].mode == POOL
+    assert chooser.classes[chooser.work_class(2 * 4000 * 16)].mode == POOL
     assert run_step(chooser, cost) == SERIAL
     chosen = chooser.chosen()
-    assert chosen[chooser.work_class(6 * 40 * 16) + attention_threads.MIN_CLASS].startswith("one thread")
-    assert chosen[chooser.work_class(6 * 4000 * 16) + attention_threads.MIN_CLASS].startswith("pool")
+    assert chosen[chooser.work_class(2 * 40 * 16) + attention_threads.MIN_CLASS].startswith("one thread")
+    assert chosen[chooser.work_class(2 * 4000 * 16) + attention_threads.MIN_CLASS].startswith("pool")
 
 
 def test_a_mode_faster_by_less_than_the_margin_is_not_taken(two_threads):
     close = AttentionThreads(clock=Clock())
     assert steps(close, {SERIAL: (1 - MARGIN / 2) * 5e-5, POOL: 5e-5}, 200)[-EXPLORE_PERIOD:].count(SERIAL) <= 1
-    assert close.classes[close.work_class(6 * 40 * 16)].mode == POOL
+    assert close.classes[close.work_class(2 * 40 * 16)].mode == POOL
     clear = AttentionThreads(clock=Clock())
     steps(clear, {SERIAL: (1 - 2 * MARGIN) * 5e-5, POOL: 5e-5}, EARLY_PERIOD * MIN_PAIRS + 1)
-    assert clear.classes[clear.work_class(6 * 40 * 16)].mode == SERIAL
+    assert clear.classes[clear.work_class(2 * 40 * 16)].mode == SERIAL
 
 
 class Drifting(dict):
@@ -134,7 +135,7 @@ def test_a_steady_drift_switches_nothing(two_threads):
     for _ in range(6 * EXPLORE_PERIOD):
         run_step(chooser, cost)
         cost.grow()
-    cls = chooser.classes[chooser.work_class(6 * 40 * 16)]
+    cls = chooser.classes[chooser.work_class(2 * 40 * 16)]
     assert cls.mode == POOL and cls.pairs > MIN_PAIRS and cls.ratio == pytest.approx(1.0, abs=0.01)
 
 
@@ -142,12 +143,12 @@ def test_a_change_in_the_machine_is_followed(two_threads):
     chooser = AttentionThreads(clock=Clock())
     cost = {SERIAL: 2e-5, POOL: 5e-5}
     steps(chooser, cost, 2 * EXPLORE_PERIOD)
-    assert chooser.classes[chooser.work_class(6 * 40 * 16)].mode == SERIAL
+    assert chooser.classes[chooser.work_class(2 * 40 * 16)].mode == SERIAL
     # Say another process now leaves the pool's cores alone: the pool gets faster, and the
     # class follows within a few of its explored steps.
     cost = {SERIAL: 6e-5, POOL: 3e-5}
     later = steps(chooser, cost, (MIN_PAIRS + 2) * EXPLORE_PERIOD)
-    assert chooser.classes[chooser.work_class(6 * 40 * 16)].mode == POOL
+    assert chooser.classes[chooser.work_class(2 * 40 * 16)].mode == POOL
     assert later[-EXPLORE_PERIOD:].count(SERIAL) <= 1
 
 
@@ -179,13 +180,13 @@ def test_a_call_outside_a_step_runs_on_the_pool_and_one_thread_is_left_alone():
 
 def test_steps_on_two_threads_are_kept_apart(two_threads):
     chooser = AttentionThreads(clock=Clock())
-    chooser.step(6 * 40 * 16)
+    chooser.step(2 * 40 * 16)
     mine = chooser.current
     seen = []
 
     def other_model_thread() -> None:
         seen.append(chooser.current)  # no step of its own yet
-        chooser.step(6 * 4000 * 16)
+        chooser.step(2 * 4000 * 16)
         chooser.sdpa(*qkv(keys=4000), enable_gqa=True)
         chooser.end_step()
 
@@ -196,8 +197,8 @@ def test_steps_on_two_threads_are_kept_apart(two_threads):
     chooser.sdpa(*qkv(), enable_gqa=True)
     chooser.end_step()
     assert chooser.current is None
-    assert chooser.classes[chooser.work_class(6 * 40 * 16)].before is not None
-    assert chooser.classes[chooser.work_class(6 * 4000 * 16)].before is not None
+    assert chooser.classes[chooser.work_class(2 * 40 * 16)].before is not None
+    assert chooser.classes[chooser.work_class(2 * 4000 * 16)].before is not None
 
 
 class Forced(AttentionThreads):
@@ -227,9 +228,9 @@ def test_a_packed_step_gives_the_same_tokens_in_either_mode(target, two_threads,
     for a, b in zip(results[SERIAL], results[POOL]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(a.abs().max()))
         assert torch.equal(a.argmax(-1), b.argmax(-1))
-    # The step's work is the mean over its sessions of queries × keys × heads × head dim.
-    config = target.config
-    per_key = config.num_attention_heads * (config.hidden_size // config.num_attention_heads)
+    # The step's work is the mean over its sessions of queries × keys × KV heads × head dim.
+    shape = KVShape.of(target.config)
+    per_key = shape.kv_heads * shape.head_dim
     expected = per_key * sum(n * (len(c) + n) for c, n in zip(contexts, (4, 1, 5, 1))) / 4
     assert forced.works[-1] == pytest.approx(expected)
 

@@ -435,3 +435,9 @@ def test_copies_are_priced_by_how_far_they_are_accepted(target):
         copier.copy(text + [1, 2], 3, 0.3)
     assert copier.copy(text + [1, 2, 3, 4, 9, 1, 2], 3, 0.3) == [3, 4, 9]
     assert copier.record.rate(0) > record.rate(0)  # the replica's record learns too, from where it was
+    # A context that does not continue the one the last copy was found for (a rollback, a
+    # resync) judges nothing: the tokens after it say nothing about that copy.
+    last = text + [1, 2, 3, 4, 9, 1, 2]
+    tries = list(copier.record.tries)
+    copier.copy([7] + last[1:] + list(copier.candidate), 3, 0.3)  # as if the copy were right
+    assert copier.record.tries == tries

@@ -93,9 +93,10 @@ class TestNgramLookup:
             sequence = [rng.randrange(vocab) for _ in range(rng.randrange(1, 80))]
             index, length = NgramIndex(max_ngram, min_ngram), 1
             while length <= len(sequence):
+                covered = list(index.ids)
                 if rng.random() < 0.1:  # a rollback: the next context does not continue the last
                     sequence[length - 1] = rng.randrange(vocab)
-                index.sync(sequence[:length])
+                assert index.sync(sequence[:length]) == (sequence[:len(covered)] == covered)
                 for k in (1, 3):
                     assert index.lookup(k) == lookup(sequence[:length], k, max_ngram, min_ngram)
                 length += rng.randint(1, 4)

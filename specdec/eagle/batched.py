@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 
 from specdec.eagle.head import EagleHead, HeadCache
-from specdec.eagle.policy import EagleDrafter, Features
+from specdec.eagle.policy import EagleDrafter, Features, copying_bytes
 from specdec.runtime.paged import PoolExhausted
 from specdec.sessions import Resync, Session, SyncedContext
 
@@ -267,8 +267,7 @@ class BatchedEagleDrafter:
         self.batched = BatchedDrafter(drafter, storage or BufferedHead(drafter.head))
 
     def held_bytes(self, session: Session) -> int:
-        copying = session.copying.held_bytes() if session.copying is not None else 0
-        return copying + (0 if session.cache is None else self.batched.storage.held_bytes(session.cache))
+        return copying_bytes(session) + (0 if session.cache is None else self.batched.storage.held_bytes(session.cache))
 
     def propose_batch(self, synced: list[SyncedContext], ks: list[int],
                       features: list[Features | None] | None = None,

@@ -280,7 +280,7 @@ class EagleHead(torch.nn.Module):
         q, k, v = self.qkv(x, torch.tensor(positions, device=device))  # [1, Hq, T, d]; [1, Hkv, T, d]
         parts, offset = [], 0
         lengths = [len(fed) for fed in tokens]
-        with attention_threads.batched_step(self.config.num_heads, self.config.head_dim, lengths,
+        with attention_threads.batched_step(self.config.num_kv_heads, self.config.head_dim, lengths,
                                             [cache.length + n for cache, n in zip(caches, lengths)]):
             for cache, n in zip(caches, lengths):
                 start = cache.length

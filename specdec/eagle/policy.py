@@ -160,18 +160,17 @@ class Copier:
 
     def copy(self, context: list[int], k: int, floor: float) -> list[int]:
         """Up to k tokens copied for `context`, cut at `floor`; [] for none."""
-        self._judge(context)
-        self.index.sync(context)
+        # The index covers the context the last copy was found for (`at` tokens): it is
+        # judged only if the context still starts with that one.
+        if self.index.sync(context):
+            self._judge(context)
         found = self.index.lookup(k)
         self.candidate, self.at = tuple(found), len(context)
         return found[:self.record.reach(floor, len(found))]
 
     def _judge(self, context: list[int]) -> None:
         candidate, at = self.candidate, self.at
-        self.candidate, self.at = (), -1
-        # The index covers the context the copy was found for (`at` tokens): the context
-        # must still start with it.
-        if not candidate or len(context) <= at or len(self.index.ids) != at or self.index.ids != context[:at]:
+        if not candidate or len(context) <= at:
             return
         committed = context[at:at + len(candidate) + 1]
         right = common_prefix_len(list(candidate), committed)
@@ -181,6 +180,11 @@ class Copier:
 
     def held_bytes(self) -> int:
         return self.index.held_bytes()
+
+
+def copying_bytes(session: Session) -> int:
+    """The bytes `session`'s copies hold (its Copier's index; 0 before its first ask)."""
+    return session.copying.held_bytes() if session.copying is not None else 0
 
 
 class EagleDrafter:
@@ -211,8 +215,7 @@ class EagleDrafter:
     @staticmethod
     def held_bytes(session: Session) -> int:
         """The bytes `session`'s head cache keeps allocated (specdec.eagle.HeadCache), and its copies' index."""
-        copying = session.copying.held_bytes() if session.copying is not None else 0
-        return copying + (0 if session.cache is None else session.cache.held_bytes())
+        return copying_bytes(session) + (0 if session.cache is None else session.cache.held_bytes())
 
     @torch.inference_mode()
     def propose_batch(self, synced: list[SyncedContext], ks: list[int],

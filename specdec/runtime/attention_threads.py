@@ -13,7 +13,8 @@ spin after a call, beside the model thread's own small ops, and sleep during a o
 call, so the next linear wakes them). The figures are in benchmarks/results/NOTES.md.
 
 So the choice is made from whole steps, compared in pairs. A batched step is classed by the
-mean work of its calls (queries × keys × heads × head dim, in powers of two) and runs all
+mean work of its calls (queries × keys × KV heads × head dim — the keys and values a call
+reads, times its queries — in powers of two) and runs all
 of them in its class's mode, at first the pool (SDPA's own behaviour). Every EXPLORE_PERIOD-th
 step of a class (every EARLY_PERIOD-th until it has MIN_PAIRS comparisons) runs in the other
 mode, and its time per call is compared with that of the steps of the class just before and
@@ -49,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# Work classes: log2(queries × keys × heads × head dim) of a step's mean call, capped.
+# Work classes: log2(queries × keys × KV heads × head dim) of a step's mean call, capped.
 MIN_CLASS = 10
 MAX_CLASS = 30
 # One step in EXPLORE_PERIOD of a class runs in the mode not chosen; one in EARLY_PERIOD
@@ -108,7 +109,7 @@ class AttentionThreads:
 
     @staticmethod
     def work_class(work: float) -> int:
-        """queries × keys × heads × head dim of a call -> the index of its work class."""
+        """queries × keys × KV heads × head dim of a call -> the index of its work class."""
         return min(MAX_CLASS, max(MIN_CLASS, math.ceil(math.log2(max(work, 1.0))))) - MIN_CLASS
 
     def step(self, work_per_call: float) -> None:
@@ -180,12 +181,12 @@ ATTENTION = AttentionThreads()
 
 
 @contextlib.contextmanager
-def batched_step(heads: int, head_dim: int, queries: list[int], keys: list[int]):
+def batched_step(kv_heads: int, head_dim: int, queries: list[int], keys: list[int]):
     """ATTENTION's step around a batched forward whose session i attends with queries[i]
-    queries over keys[i] keys, `heads` query heads of `head_dim`. A forward that fails is
+    queries over keys[i] keys, of `kv_heads` KV heads of `head_dim`. A forward that fails is
     not timed."""
     calls = max(1, len(queries))
-    ATTENTION.step(heads * head_dim * sum(q * k for q, k in zip(queries, keys)) / calls)
+    ATTENTION.step(kv_heads * head_dim * sum(q * k for q, k in zip(queries, keys)) / calls)
     try:
         yield
     except BaseException:

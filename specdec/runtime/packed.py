@@ -35,6 +35,7 @@ import torch
 
 from specdec.runtime import attention_threads
 from specdec.runtime.compat import cache_kwarg, full_attention_only
+from specdec.runtime.paged import KVShape
 from specdec.runtime.tree import tree_mask, tree_positions
 
 # The attention implementation name registered with transformers for served models: in-SDPA
@@ -169,12 +170,11 @@ def packed_forward(model: torch.nn.Module, caches: list, token_lists: list[list[
                         dtype=torch.long, device=device)
     # A ready 4D mask makes transformers skip building one; packed_attention masks per session.
     placeholder_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
-    config = model.config
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    shape = KVShape.of(model.config)
     token = _ACTIVE.set(batch)
     try:
-        with attention_threads.batched_step(heads, head_dim, lengths, [p + n for p, n in zip(batch.past, lengths)]):
+        with attention_threads.batched_step(shape.kv_heads, shape.head_dim, lengths,
+                                            [p + n for p, n in zip(batch.past, lengths)]):
             out = model(input_ids=input_ids, use_cache=True, position_ids=batch.position_ids(device),
                         attention_mask=placeholder_mask, logits_to_keep=rows,
                         **{cache_kwarg(model): PackedCache(batch)})
