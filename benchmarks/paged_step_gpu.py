@@ -38,7 +38,7 @@ per session, one forward per session); print JSON.
 
 Exits 1 only when a correctness check fails (a float32 mismatch, a block not reused, a prefix
 fed again, memory that grows) or the timed part raises; a missed speed target is reported, not
-failed. Where the GPU is too small for the model or a batch, the report says so and skips it.
+failed. On SIGTERM (a time cap: `timeout`) it stops, prints what it measured so far and exits 124. Where the GPU is too small for the model or a batch, the report says so and skips it.
 
 --dry-run runs every part on CPU at tiny shapes (a 2-layer model for the 8B one, the reference
 attention, B = 1, 2), so the script is tested without a GPU (tests/test_gpu_scripts.py).
@@ -51,6 +51,7 @@ import gc
 import inspect
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -620,7 +621,7 @@ def targets(plan: Plan, report: dict) -> dict:
     return {
         "argmax_identical_fp32": target(all(r["argmax_identical"] for r in fp32), True,
                                         all(r["argmax_identical"] for r in fp32)),
-        "argmax_agreement_bf16": target(min(r["argmax_agreement"] for r in bf16), None, None),
+        "argmax_agreement_bf16": target(min((r["argmax_agreement"] for r in bf16), default=None), None, None),
         f"step_B{top}_over_B1": target(_round(b_ratio), f"<= {MAX_B32_OVER_B1}",
                                        None if b_ratio is None else b_ratio <= MAX_B32_OVER_B1),
         f"throughput_over_old_B{top}": target(_round(t_ratio), f">= {MIN_THROUGHPUT_RATIO}",
@@ -663,10 +664,21 @@ def main() -> int:
         "tolerance_fp32": FP32_TOLERANCE, "notes": [],
     }
     began = time.perf_counter()
-    report["correctness"] = correctness(plan)
+    signal.signal(signal.SIGTERM, _time_cap)  # `timeout` in gpu_check.sh: report what was measured
+    cut = False
+    try:
+        report["correctness"] = correctness(plan)
+    except TimeCap:
+        report["correctness"], cut = [], True
+        report["notes"].append("cut short by the time cap during the correctness checks")
     failed = None
     try:
-        performance(plan, report)
+        if not cut:
+            performance(plan, report)
+    except TimeCap:
+        cut = True
+        report["notes"].append("cut short by the time cap in the timed part: the steps timed before it are in its log")
+        say(report["notes"][-1])
     except torch.cuda.OutOfMemoryError as error:  # a smaller GPU: say so, keep what was measured
         report["notes"].append(f"out of GPU memory in the timed part: {str(error)[:300]}")
         say(report["notes"][-1])
@@ -674,9 +686,11 @@ def main() -> int:
         failed = traceback.format_exc()[-3000:]
         report["error"] = failed
         say(failed)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # measuring is over: the report always comes out
     report["targets"] = targets(plan, report)
     memory_flat = all(report[m]["flat"] for m in ("memory", "memory_graphs") if m in report)
-    report["all_correct"] = all(r["pass"] for r in report["correctness"]) and memory_flat and failed is None
+    report["all_correct"] = (all(r["pass"] for r in report["correctness"]) and memory_flat and failed is None
+                             and bool(report["correctness"]))
     report["seconds"] = round(time.perf_counter() - began, 1)
     for name, t in report["targets"].items():
         verdict = "not measured" if t["pass"] is None and t["limit"] is not None else \
@@ -685,7 +699,15 @@ def main() -> int:
     for note in report["notes"]:
         say(f"note: {note}")
     print(json.dumps(report, indent=1))
-    return 0 if report["all_correct"] else 1
+    return 124 if cut else 0 if report["all_correct"] else 1
+
+
+class TimeCap(Exception):
+    """SIGTERM arrived: the caller's time cap (`timeout`) is reached."""
+
+
+def _time_cap(signum, frame) -> None:
+    raise TimeCap()
 
 
 if __name__ == "__main__":

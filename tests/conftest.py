@@ -65,3 +65,21 @@ def pytest_sessionfinish(session, exitstatus):
         if reporter is not None:
             reporter.write_line(message, red=True)
         session.exitstatus = 1
+
+
+if os.environ.get("SPECDEC_TEST_DEVICE", "cpu").startswith("cuda"):
+    import gc  # noqa: E402
+    import sys  # noqa: E402
+
+    import pytest  # noqa: E402
+
+    @pytest.fixture(autouse=True)
+    def _give_the_gpu_memory_back():
+        """On a GPU, a test's KV pools go with it: a pool is freed by the cyclic collector (the
+        model and its session store refer to each other), and a failed test's frames, which
+        hold its pools, stay reachable from sys.last_traceback. Otherwise the next test's
+        pool may not fit."""
+        yield
+        sys.last_type = sys.last_value = sys.last_traceback = None
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -20,11 +20,17 @@ from target_worker import service as target_service
 LOOPBACK = "127.0.0.1"
 
 
+# On a GPU a worker's paged pool takes this share of the memory its weights leave: the tests'
+# tiny models need little, and a test's workers must leave room for the next test's.
+TEST_KV_MEMORY_FRACTION = 0.02
+
+
 def worker_config(name: str, port: int = 0, host: str = LOOPBACK) -> WorkerConfig:
     """SPECDEC_KV_CACHE=paged runs every service test over the paged KV pool (as the flag's
     variable does for `specdec serve`)."""
     return WorkerConfig(model=name, server=ServerConfig(host=host, port=port, grace_period_s=1.0),
-                        kv_cache=os.environ.get("SPECDEC_KV_CACHE", "auto"))
+                        kv_cache=os.environ.get("SPECDEC_KV_CACHE", "auto"),
+                        kv_memory_fraction=TEST_KV_MEMORY_FRACTION)
 
 
 async def start_target(model, tokenizer, port: int = 0, host: str = LOOPBACK, head=None, **options):
