@@ -33,7 +33,11 @@ over all sessions, and the split's cost per round = services ms/round − worker
 coordinator in a process of its own (the services modes) also its CPU time per request-round
 (all its threads, gRPC's included): what sizes a coordinator's CPU, whatever the worker's
 device — one core carries 10⁶ / that many request-rounds per second (the OS counts CPU time
-in 10 ms ticks: B × rounds ≥ 500 keeps that within a few percent).
+in 10 ms ticks: B × rounds ≥ 500 keeps that within a few percent). The target worker's
+process and the clients' (this one) are read the same way, and the worker loop's own CPU
+per round beside them: the worker's CPU beyond its step is its service code, which runs
+between one step and the next; on a machine where all of them share a few cores, the sum
+per step bounds how short a round can be.
 Every process runs `--threads` torch threads. Writes --out/NAME.json and .md (--name).
 """
 
@@ -58,6 +62,10 @@ from specdec.client import Client, make_request  # noqa: E402
 
 PROMPT = "Count slowly from one to one hundred, one number per line."
 MODES = ("worker loop", "services", "services (no run-ahead)", "services (unary)", "up (mTLS)")
+# Whose CPU time per request-round a services mode reads, where a round's cost goes: the target
+# worker's main thread (its event loop: gRPC, the rounds run ahead, the answers) and its other
+# threads (the model thread's steps, gRPC's own threads), the coordinator, the clients.
+CPU_PARTS = ("target_loop", "target_threads", "coordinator", "client")
 COORDINATORS = {"services": "coordinator", "services (no run-ahead)": "coordinator-lockstep",
                 "services (unary)": "coordinator-unary", "services (baseline)": "coordinator-baseline"}
 
@@ -80,16 +88,21 @@ def worker_loop(model_dir: str, batch: int, rounds: int, threads: int) -> dict:
     held = [0] * batch
     pending = [prompt] * batch
     steps: list[float] = []
+    cpu_began = 0.0
     for step in range(rounds + 1):
+        if step == 1:  # the first is the prefill
+            cpu_began = cpu_seconds(os.getpid())
         began = time.perf_counter()
         outcome = verifier.verify_batch([Round(f"s{i}", held[i], pending[i], []) for i in range(batch)])
-        if step:  # the first is the prefill
+        if step:
             steps.append(time.perf_counter() - began)
         for i, verdict in enumerate(outcome.results):
             held[i], pending[i] = verdict.cached_len, [verdict.next_token]
+    cpu_s = cpu_seconds(os.getpid()) - cpu_began
     servicer.thread.shutdown()
     per_step = statistics.median(steps)
-    return {"ms_per_round": 1e3 * per_step, "tokens_per_s": batch / per_step}
+    return {"ms_per_round": 1e3 * per_step, "tokens_per_s": batch / per_step,
+            "alone_cpu_us_per_round": 1e6 * cpu_s / (batch * rounds)}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -100,12 +113,36 @@ def cpu_seconds(pid: int) -> float:
     return times.user + times.system
 
 
-async def through(address: str, batch: int, rounds: int, coordinator_pid: int | None = None) -> dict:
+def thread_cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU time so far of a process's main thread, and of all its other threads together."""
+    import psutil
+
+    main = other = 0.0
+    for thread in psutil.Process(pid).threads():
+        seconds = thread.user_time + thread.system_time
+        if thread.id == pid:
+            main += seconds
+        else:
+            other += seconds
+    return main, other
+
+
+async def through(address: str, batch: int, rounds: int, coordinator_pid: int | None = None,
+                  target_pid: int | None = None) -> dict:
     """B clients at once, speculation off, `rounds` tokens each: ms per round after the first;
-    with coordinator_pid, that process's CPU time per request-round (after the warm-up)."""
+    with coordinator_pid (and target_pid), that process's CPU time per request-round (after
+    the warm-up), and the clients' (this process's)."""
+    def cpu() -> dict[str, float]:
+        if not coordinator_pid:
+            return {}
+        seconds = {"coordinator": cpu_seconds(coordinator_pid), "client": cpu_seconds(os.getpid())}
+        if target_pid:
+            seconds["target_loop"], seconds["target_threads"] = thread_cpu_seconds(target_pid)
+        return seconds
+
     async with Client(address) as client:
         await client.complete(make_request(PROMPT, max_new_tokens=4, speculate=False))  # warm-up
-        cpu_began = cpu_seconds(coordinator_pid) if coordinator_pid else 0.0
+        cpu_began = cpu()
 
         async def one() -> tuple[float, int, float, float]:
             began, first, last, count = time.perf_counter(), None, None, 0
@@ -117,13 +154,12 @@ async def through(address: str, batch: int, rounds: int, coordinator_pid: int | 
             return (last - first) / max(1, count - 1), count, began, last
 
         results = await asyncio.gather(*(one() for _ in range(batch)))
-        if coordinator_pid:
-            cpu_s = cpu_seconds(coordinator_pid) - cpu_began
+        cpu_s = {name: seconds - cpu_began[name] for name, seconds in cpu().items()}
     wall = max(r[3] for r in results) - min(r[2] for r in results)
     run = {"ms_per_round": 1e3 * statistics.median(r[0] for r in results),
            "tokens_per_s": sum(r[1] for r in results) / wall}
-    if coordinator_pid:
-        run["coordinator_cpu_us_per_round"] = 1e6 * cpu_s / sum(r[1] for r in results)
+    for name, seconds in cpu_s.items():
+        run[f"{name}_cpu_us_per_round"] = 1e6 * seconds / sum(r[1] for r in results)
     return run
 
 
@@ -212,16 +248,18 @@ def main(argv: list[str] | None = None) -> int:
                         run = worker_loop(model_dir, batch, args.rounds, args.threads)
                     elif mode.startswith("services"):
                         coordinator = services[COORDINATORS[mode]]
+                        target = services["target-baseline" if mode.endswith("(baseline)") and args.baseline_workers
+                                          else "target"]
                         run = loop.run_until_complete(through(f"127.0.0.1:{coordinator.port}", batch, args.rounds,
-                                                              coordinator.pid))
+                                                              coordinator.pid, target.pid))
                     else:
                         run = loop.run_until_complete(through(up.address, batch, args.rounds))
                     run.update(batch=batch, mode=mode)
                     runs.append(run)
-                    cpu = run.get("coordinator_cpu_us_per_round")
+                    cpu = ", ".join(f"{name} {run[f'{name}_cpu_us_per_round']:.0f}" for name in ("alone", *CPU_PARTS)
+                                    if f"{name}_cpu_us_per_round" in run)
                     print(f"B={batch:>3} {mode:>16}: {run['ms_per_round']:.2f} ms/round, "
-                          f"{run['tokens_per_s']:.0f} tok/s" + (f", coordinator {cpu:.0f} µs CPU per request-round"
-                                                                 if cpu is not None else ""),
+                          f"{run['tokens_per_s']:.0f} tok/s" + (f", CPU µs per request-round: {cpu}" if cpu else ""),
                           file=sys.stderr, flush=True)
     finally:
         up.close()
@@ -230,8 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict = {}
     for batch in batches:
         row = {mode: {key: statistics.median(r[key] for r in runs if r["batch"] == batch and r["mode"] == mode)
-                      for key in ("ms_per_round", "tokens_per_s", "coordinator_cpu_us_per_round")
-                      if mode.startswith("services") or key != "coordinator_cpu_us_per_round"}
+                      for key in ("ms_per_round", "tokens_per_s",
+                                  *(f"{name}_cpu_us_per_round" for name in ("alone", *CPU_PARTS)))
+                      if all(key in r for r in runs if r["batch"] == batch and r["mode"] == mode)}
                for mode in modes}
         for mode in modes[1:]:
             row[mode]["split_ms_per_round"] = row[mode]["ms_per_round"] - row["worker loop"]["ms_per_round"]
@@ -271,17 +310,34 @@ def main(argv: list[str] | None = None) -> int:
                      f"{row['up (mTLS)']['split_ms_per_round']:+.2f} | {row['services']['vs_worker_loop']:.2f} | "
                      f"{row['services']['vs_no_run_ahead_tokens_per_s']:.2f} | "
                      f"{row['services']['coordinator_cpu_us_per_round']:.0f} |")
+    lines += ["", "Where a round's CPU goes (services, run-ahead): µs of CPU time per request-round — the worker "
+              "loop's process (the step alone); the target worker's main thread (its event loop: gRPC, the rounds "
+              "run ahead, the answers) and its other threads (the model thread's steps, gRPC's own threads); the "
+              "coordinator; the clients (this process). Per step, their sum over the B rounds, to set against "
+              "the services' ms per round times the cores they share.", "",
+              "| B | worker loop | target, event loop | target, other threads | coordinator | clients | "
+              "sum per step, ms | services ms/round |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for batch, row in summary.items():
+        through_services, alone = row["services"], row["worker loop"]
+        parts = [through_services[f"{name}_cpu_us_per_round"] for name in CPU_PARTS]
+        lines.append(f"| {batch} | {alone['alone_cpu_us_per_round']:.0f} | "
+                     + " | ".join(f"{part:.0f}" for part in parts)
+                     + f" | {int(batch) * sum(parts) / 1e3:.2f} | {through_services['ms_per_round']:.2f} |")
     if baseline is not None:
         before = "its own workers, run from there too" if args.baseline_workers else "the same workers"
         lines += ["", f"Baseline: a coordinator run from `{baseline}` before {before}, steps on streams.", "",
                   "| B | services (baseline) ms/round | split ms/round | services split ms/round | split, this / baseline | "
-                  "coordinator CPU µs per request-round, baseline / this |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "coordinator CPU µs per request-round, baseline / this | "
+                  "target worker CPU µs per request-round, baseline / this |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for batch, row in summary.items():
-            base = row["services (baseline)"]
+            base, mine = row["services (baseline)"], row["services"]
             lines.append(f"| {batch} | {base['ms_per_round']:.2f} | {base['split_ms_per_round']:+.2f} | "
                          f"{row['services']['split_ms_per_round']:+.2f} | {row['services']['vs_baseline_split']:.2f} | "
-                         f"{base['coordinator_cpu_us_per_round']:.0f} / {row['services']['coordinator_cpu_us_per_round']:.0f} |")
+                         f"{base['coordinator_cpu_us_per_round']:.0f} / {row['services']['coordinator_cpu_us_per_round']:.0f} | "
+                         f"{base['target_loop_cpu_us_per_round'] + base['target_threads_cpu_us_per_round']:.0f} / "
+                         f"{mine['target_loop_cpu_us_per_round'] + mine['target_threads_cpu_us_per_round']:.0f} |")
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print(json.dumps(summary, indent=2))
     return 0
