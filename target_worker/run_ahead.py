@@ -129,23 +129,29 @@ class RunsAhead:
             run.left = min(MAX_RUN_ROUNDS, run.left + change.more_rounds)
 
     async def step(self, request: target_pb2.VerifyBatchRequest | None, context, stream: object) -> list:
+        """Runs one step for the stream: `request`'s rounds (None: none came) and its waiting runs.
+        A request of run changes alone is answered at once, and the runs it changed take the
+        same turn's step: a change never costs the stream a turn of its own."""
         if request is not None and request.run_changes:
             for change in request.run_changes:
                 self.change(change)
-            if not request.rounds:
-                return [target_pb2.VerifyBatchResponse()]  # nothing to run for it
-        asked = self._parse(request) if request is not None else []
+        asked = self._parse(request) if request is not None and request.rounds else []
         for r in asked:
             self.end(r.session_id)  # the coordinator's round is the truth
         runs = list(self._by_stream.get(stream, {}).values())[:max(0, self.max_batch_rounds - len(asked))]
+        if not asked and not runs:
+            return [target_pb2.VerifyBatchResponse()] if request is not None else []  # nothing to run
         try:
             outcome = await self._run(asked + [run.round for run in runs])
-            return self._answers(request, asked, runs, outcome, stream)
+            return self._answers(request if asked else None, asked, runs, outcome, stream,
+                                 changed=request is not None and not asked)
         except Exception as exc:  # noqa: BLE001 - the step's status, as VerifyBatch would fail
             responses: list[target_pb2.VerifyBatchResponse] = []
-            if request is not None:
+            if request is not None and asked:
                 code, message = status_for(exc)
                 responses.append(target_pb2.VerifyBatchResponse(error_code=code.value[0], error_message=message))
+            elif request is not None:  # its changes were made: the step's failure is the runs'
+                responses.append(target_pb2.VerifyBatchResponse())
             for r in asked:
                 self.end(r.session_id)  # a run its failed answer may have started
             ended = target_pb2.VerifyBatchResponse()
@@ -156,10 +162,12 @@ class RunsAhead:
                 self._add(ended, run, run.round, self._result(exc, run.request_id), 0, run.drafted_with)
             return responses + ([ended] if ended.continued else [])
 
-    def _answers(self, request, asked: list[Round], runs: list[_Run], outcome, stream: object) -> list:
+    def _answers(self, request, asked: list[Round], runs: list[_Run], outcome, stream: object,
+                 changed: bool = False) -> list:
         """The step's answers: to the coordinator's rounds (starting runs where asked), then
-        to the runs' rounds (going on or ending)."""
-        responses: list[target_pb2.VerifyBatchResponse] = []
+        to the runs' rounds (going on or ending). changed: the step came with a request of
+        run changes alone, answered first (and empty)."""
+        responses: list[target_pb2.VerifyBatchResponse] = [target_pb2.VerifyBatchResponse()] if changed else []
         ran = [run.round for run in runs]
         share = dict(ahead_rounds=len(ran), ahead_drafts=sum(len(r.drafts) for r in ran),
                      ahead_drafting=sum(1 for r in ran if r.drafts),

@@ -239,8 +239,8 @@ def test_a_run_that_sends_nothing_is_waited_for_no_longer_than_the_deadline(targ
             runs = stack.target_servicer.runs
             answers = runs._answers
 
-            def silent(request, *args):  # the rounds run ahead are never answered
-                return [r for r in answers(request, *args) if not r.continued]
+            def silent(request, *args, **kwargs):  # the rounds run ahead are never answered
+                return [r for r in answers(request, *args, **kwargs) if not r.continued]
 
             runs._answers = silent
             async with Client(stack.address) as client:
@@ -383,14 +383,41 @@ def test_a_change_applies_to_the_runs_next_round_and_only_to_its_run():
         change = target_pb2.VerifyBatchRequest(step_id=2, run_changes=[
             target_pb2.RunChange(session_id="a", run_id=run_id + 1, draft_next=7),  # another run: ignored
             target_pb2.RunChange(session_id="a", run_id=run_id, draft_next=0)])
-        answered = await runs.step(change, None, stream)
-        assert len(model.steps) == 1  # answered at once, no step
-        await runs.step(None, None, stream)
-        return answered
+        return await runs.step(change, None, stream)
 
-    (answer,) = run(scenario())
-    assert not answer.results and not answer.continued
-    assert model.steps[1][0].draft_next == 0
+    answer, continued = run(scenario())
+    # The change is answered (empty), and the run it changed takes the same turn's step.
+    assert not answer.results and not answer.continued and answer.step_s == 0
+    assert len(model.steps) == 2 and model.steps[1][0].draft_next == 0
+    (item,) = continued.continued
+    assert item.session_id == "a" and continued.step_id == 0
+    # The step's figures go with the runs' message, as for any step of runs alone.
+    assert continued.step_s > 0 and continued.ahead_rounds == 1 and continued.rows == 3 + 2
+
+
+def test_a_change_for_no_waiting_run_is_answered_without_a_step():
+    model, stream = FakeModel(), object()
+    runs = make_runs(model)
+    change = target_pb2.VerifyBatchRequest(step_id=2, run_changes=[
+        target_pb2.RunChange(session_id="gone", run_id=1, draft_next=3)])
+    (answer,) = run(runs.step(change, None, stream))
+    assert not answer.results and not answer.continued and not model.steps
+
+
+def test_a_failed_step_a_change_started_answers_the_change_and_ends_the_runs():
+    model, stream = FakeModel(), object()
+    runs = make_runs(model)
+
+    async def scenario():
+        first = await runs.step(asked("a"), None, stream)
+        model.fail = True
+        return await runs.step(target_pb2.VerifyBatchRequest(step_id=2, run_changes=[target_pb2.RunChange(
+            session_id="a", run_id=first[0].results[0].verdict.run_id, draft_next=1)]), None, stream)
+
+    answer, ended = run(scenario())
+    assert answer.error_code == 0 and not answer.continued  # the change was made; the step is the runs'
+    assert [(i.session_id, i.result.WhichOneof("result")) for i in ended.continued] == [("a", "error")]
+    assert len(runs) == 0
 
 
 def test_more_rounds_extend_a_run_and_its_price_goes_to_its_next_round():
@@ -400,15 +427,15 @@ def test_more_rounds_extend_a_run_and_its_price_goes_to_its_next_round():
     async def scenario():
         first = await runs.step(asked("a", run_ahead=1), None, stream)
         run_id = first[0].results[0].verdict.run_id
-        await runs.step(target_pb2.VerifyBatchRequest(step_id=2, run_changes=[target_pb2.RunChange(
-            session_id="a", run_id=run_id, draft_next=3, min_draft_prob=0.25, more_rounds=2)]), None, stream)
-        answers = []
+        answers = [(await runs.step(target_pb2.VerifyBatchRequest(step_id=2, run_changes=[target_pb2.RunChange(
+            session_id="a", run_id=run_id, draft_next=3, min_draft_prob=0.25, more_rounds=2)]), None, stream))[1:]]
         while runs.waiting(stream):
             answers.append(await runs.step(None, None, stream))
         return answers
 
     answers = run(scenario())
-    # One round granted by the request, two by the change: three run, the last ends the run.
+    # One round granted by the request, two by the change: three run (the first in the change's
+    # turn), the last ends the run.
     assert len(answers) == 3 and len(model.steps) == 4
     assert [a[0].continued[0].result.verdict.run_id != 0 for a in answers] == [True, True, False]
     assert [(r[0].draft_next, r[0].min_draft_prob) for r in model.steps[1:]] == [(3, 0.25)] * 3
