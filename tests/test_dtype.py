@@ -153,12 +153,18 @@ def not_bf16_values(logits: torch.Tensor) -> bool:
     return bool((logits != logits.bfloat16().float()).any())
 
 
+# The KV designs a worker serves with: "auto" is the buffered caches on CPU and the paged pool
+# on a GPU, so on CPU the paged pool is asked for by name — the GPU's arithmetic, on CPU.
+KV_CACHES = ["auto", "paged"]
+
+
+@pytest.mark.parametrize("kv_cache", KV_CACHES)
 @pytest.mark.parametrize("fast_path", [True, False], ids=["cpu-fast-path", "as-loaded"])
-def test_a_target_worker_in_bfloat16_has_bf16_weights_and_fp32_logits(model_dirs, fast_path):
+def test_a_target_worker_in_bfloat16_has_bf16_weights_and_fp32_logits(model_dirs, fast_path, kv_cache):
     from target_worker import service
 
     config = dataclasses.replace(worker_config(str(model_dirs["target"])), dtype="bfloat16", device=TEST_DEVICE,
-                                 cpu_fast_path=fast_path)
+                                 cpu_fast_path=fast_path, kv_cache=kv_cache)
     servicer = service.build_servicer(config)
     lm = servicer.verifier.lm
     assert servicer._info.dtype == "bfloat16"
@@ -238,14 +244,17 @@ def load_bf16(model_dir):
     return load_model(str(model_dir), dtype=torch.bfloat16, device=TEST_DEVICE)[0]
 
 
+@pytest.mark.parametrize("kv_cache", KV_CACHES)
 @pytest.mark.parametrize("drafter", ["target-itself", NGRAM, "head-on-target"])
-def test_bf16_greedy_through_the_services_equals_bf16_target_alone(drafter, model_dirs, tokenizer):
+def test_bf16_greedy_through_the_services_equals_bf16_target_alone(drafter, kv_cache, model_dirs, tokenizer,
+                                                                   monkeypatch):
     """Target (and as the draft model, the target itself) loaded in bfloat16 and handed to their workers (loading by spec
     in --dtype: the tests above), and so is a head (eagle.load in bfloat16). Compared, token for token: the output with speculation (k = 4),
     the output of the same stack with speculation off, and the bfloat16 target alone decoding
     one token per full forward pass (bf16_reference) — or, where the stack's arithmetic is not
     the reference's (the paged pool, a GPU), each token of either output against the
     reference's logits on that output's own prefix: the argmax, or within NEAR_TIE of it."""
+    monkeypatch.setenv("SPECDEC_KV_CACHE", kv_cache)  # read by the test stack's worker configs
     target = load_bf16(model_dirs["target"])
     draft = head = None
     if drafter == "target-itself":  # every draft accepted: whole blocks verified in one pass
