@@ -33,11 +33,12 @@ over all sessions, and the split's cost per round = services ms/round − worker
 coordinator in a process of its own (the services modes) also its CPU time per request-round
 (all its threads, gRPC's included): what sizes a coordinator's CPU, whatever the worker's
 device — one core carries 10⁶ / that many request-rounds per second (the OS counts CPU time
-in 10 ms ticks: B × rounds ≥ 500 keeps that within a few percent). The target worker's
-process and the clients' (this one) are read the same way, and the worker loop's own CPU
-per round beside them: the worker's CPU beyond its step is its service code, which runs
-between one step and the next; on a machine where all of them share a few cores, the sum
-per step bounds how short a round can be.
+in 10 ms ticks: B × rounds ≥ 500 keeps that within a few percent). The clients' process
+(this one) is read the same way, the target worker's by thread — its main thread (the event
+loop: gRPC, the rounds run ahead, the answers, which run between one step and the next) and
+its other threads (the model thread's steps, gRPC's own) — and the worker loop's own CPU per
+round beside them (a step's CPU grows when other processes share its cores). On a machine
+where all of them share a few cores, their sum per step bounds how short a round can be.
 Every process runs `--threads` torch threads. Writes --out/NAME.json and .md (--name).
 """
 
@@ -334,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         for batch, row in summary.items():
             base, mine = row["services (baseline)"], row["services"]
             lines.append(f"| {batch} | {base['ms_per_round']:.2f} | {base['split_ms_per_round']:+.2f} | "
-                         f"{row['services']['split_ms_per_round']:+.2f} | {row['services']['vs_baseline_split']:.2f} | "
-                         f"{base['coordinator_cpu_us_per_round']:.0f} / {row['services']['coordinator_cpu_us_per_round']:.0f} | "
+                         f"{mine['split_ms_per_round']:+.2f} | {mine['vs_baseline_split']:.2f} | "
+                         f"{base['coordinator_cpu_us_per_round']:.0f} / {mine['coordinator_cpu_us_per_round']:.0f} | "
                          f"{base['target_loop_cpu_us_per_round'] + base['target_threads_cpu_us_per_round']:.0f} / "
                          f"{mine['target_loop_cpu_us_per_round'] + mine['target_threads_cpu_us_per_round']:.0f} |")
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")

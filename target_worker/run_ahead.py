@@ -139,19 +139,18 @@ class RunsAhead:
         for r in asked:
             self.end(r.session_id)  # the coordinator's round is the truth
         runs = list(self._by_stream.get(stream, {}).values())[:max(0, self.max_batch_rounds - len(asked))]
+        # A request of changes alone: its (empty) answer first; the step and its failure are the runs'.
+        changed = [target_pb2.VerifyBatchResponse()] if request is not None and not asked else []
         if not asked and not runs:
-            return [target_pb2.VerifyBatchResponse()] if request is not None else []  # nothing to run
+            return changed  # nothing to run
         try:
             outcome = await self._run(asked + [run.round for run in runs])
-            return self._answers(request if asked else None, asked, runs, outcome, stream,
-                                 changed=request is not None and not asked)
+            return changed + self._answers(request if asked else None, asked, runs, outcome, stream)
         except Exception as exc:  # noqa: BLE001 - the step's status, as VerifyBatch would fail
-            responses: list[target_pb2.VerifyBatchResponse] = []
-            if request is not None and asked:
+            responses = changed
+            if asked:
                 code, message = status_for(exc)
                 responses.append(target_pb2.VerifyBatchResponse(error_code=code.value[0], error_message=message))
-            elif request is not None:  # its changes were made: the step's failure is the runs'
-                responses.append(target_pb2.VerifyBatchResponse())
             for r in asked:
                 self.end(r.session_id)  # a run its failed answer may have started
             ended = target_pb2.VerifyBatchResponse()
@@ -162,12 +161,10 @@ class RunsAhead:
                 self._add(ended, run, run.round, self._result(exc, run.request_id), 0, run.drafted_with)
             return responses + ([ended] if ended.continued else [])
 
-    def _answers(self, request, asked: list[Round], runs: list[_Run], outcome, stream: object,
-                 changed: bool = False) -> list:
+    def _answers(self, request, asked: list[Round], runs: list[_Run], outcome, stream: object) -> list:
         """The step's answers: to the coordinator's rounds (starting runs where asked), then
-        to the runs' rounds (going on or ending). changed: the step came with a request of
-        run changes alone, answered first (and empty)."""
-        responses: list[target_pb2.VerifyBatchResponse] = [target_pb2.VerifyBatchResponse()] if changed else []
+        to the runs' rounds (going on or ending)."""
+        responses: list[target_pb2.VerifyBatchResponse] = []
         ran = [run.round for run in runs]
         share = dict(ahead_rounds=len(ran), ahead_drafts=sum(len(r.drafts) for r in ran),
                      ahead_drafting=sum(1 for r in ran if r.drafts),
